@@ -87,6 +87,9 @@ class CacheConfig:
     """How many recently evicted block keys to remember, to report ``evicted`` misses."""
     stats_window: int = 1000
     """Number of recent requests behind the windowed hit rate."""
+    state_dir: str | None = None
+    """Directory for state kept across restarts (the content ledger that explains namespace
+    misses after a checkpoint or tokenizer change); None = keep nothing."""
 
 
 @dataclass(frozen=True)

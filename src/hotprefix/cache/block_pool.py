@@ -1,0 +1,293 @@
+"""The pool of KV blocks: refcounts, the content index, and the three block states.
+
+Every block is in exactly one state:
+  * in use          ``ref_cnt > 0`` (it may also be cached: then other requests can share it);
+  * free-and-cached ``ref_cnt == 0`` and its key is in the index: evictable, still findable;
+  * free-and-empty  ``ref_cnt == 0`` and no key: handed out first.
+
+Allocation takes empty blocks first, then asks the eviction policy for a victim; evicting removes
+the key from the index before the block is reused. The pool remembers a bounded "ghost" list of
+recently evicted keys so a later miss can be reported as ``evicted`` rather than ``cold``.
+
+The pool only knows block ids and keys; the K/V tensors live in the runner. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hotprefix.cache.eviction import EvictionPolicy, make_policy
+from hotprefix.cache.hashing import BlockKey
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One block of ``block_size`` token slots in the KV pool."""
+
+    block_id: int
+    """Index into the runner's KV tensors."""
+    ref_cnt: int = 0
+    """Requests currently holding this block."""
+    key: BlockKey | None = None
+    """Content key when cached (full and registered), else None."""
+    token_ids: tuple[int, ...] | None = None
+    """The tokens the cached K/V were computed from (compared on every hit)."""
+    parent: BlockKey | None = None
+    """Key of the previous block in the chain (None for block 0)."""
+    depth: int = 0
+    """Block index within its sequence."""
+    salt: str | None = None
+    """Tenant salt that entered the key chain at this block (None elsewhere)."""
+    num_hits: int = 0
+    """Times this cached block was matched by a later request."""
+    last_used: float = 0.0
+    """Monotonic time of the last allocation/hit/free."""
+    pinned_until: float = 0.0
+    """Never evicted before this monotonic time (retention pin); 0 = not pinned."""
+    priority: int = 0
+    """Retention priority (higher = kept longer by priority-aware policies)."""
+    policy_state: dict = field(default_factory=dict)
+    """Scratch space owned by the eviction policy."""
+
+    @property
+    def is_cached(self) -> bool:
+        return self.key is not None
+
+
+@dataclass(frozen=True)
+class AdmitInfo:
+    """What the pool knows about a block at the moment it could be cached."""
+
+    depth: int
+    """Block index within its request."""
+    request_num_blocks: int
+    """Full blocks in the request's prompt."""
+    request_hit_blocks: int
+    """Blocks of this request that came from cache."""
+    parent: BlockKey | None
+    """Key of the previous block."""
+    parent_seen: bool = False
+    """The parent block was cached before this request (the prefix is known)."""
+    priority: int = 0
+    """Retention priority requested for this block."""
+    salt: str | None = None
+    """Tenant salt that entered the key chain at this block."""
+
+
+class BlockPool:
+    """Blocks, their refcounts and the key -> block index."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: str | EvictionPolicy = "lru",
+                 ghost_size: int = 65536, max_pinned_fraction: float = 0.5,
+                 clock=time.monotonic):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        self.index: dict[BlockKey, KVBlock] = {}
+        self.empty: deque[int] = deque(range(num_blocks))
+        self.children: dict[BlockKey, set[BlockKey]] = {}
+        self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
+        self.ghost_size = ghost_size
+        self.pinned: dict[int, KVBlock] = {}  # free-and-cached blocks held back by a pin
+        self.max_pinned = int(num_blocks * max_pinned_fraction)
+        self.num_pinned_blocks = 0  # cached blocks (any refcount) with an active pin
+        self.clock = clock
+        self.num_evictions = 0
+        self.eviction_times: deque[float] = deque(maxlen=4096)
+        self.num_in_use = 0
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, key: BlockKey, token_ids: Sequence[int] | None = None) -> KVBlock | None:
+        """The cached block for ``key``; a token mismatch (hash collision) is a miss."""
+        blk = self.index.get(key)
+        if blk is None:
+            return None
+        if token_ids is not None and blk.token_ids is not None and tuple(token_ids) != blk.token_ids:
+            return None
+        return blk
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation can take now (empty + evictable, not pinned)."""
+        self._expire_pins()
+        return len(self.empty) + len(self.policy)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.index)
+
+    def was_evicted(self, key: BlockKey) -> bool:
+        return key in self.ghosts
+
+    def cached_children(self, parent: BlockKey) -> list[KVBlock]:
+        """Cached blocks whose previous block is ``parent`` (siblings of a missing block)."""
+        return [self.index[k] for k in self.children.get(parent, ()) if k in self.index]
+
+    def is_leaf(self, block: KVBlock) -> bool:
+        return block.key is None or not self.children.get(block.key)
+
+    # ------------------------------------------------------------------ refcounts
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cached blocks found by a lookup."""
+        now = self.clock()
+        for b in blocks:
+            if b.ref_cnt == 0:
+                if b.block_id in self.pinned:
+                    del self.pinned[b.block_id]
+                else:
+                    self.policy.on_use(b)
+                self.num_in_use += 1
+            b.ref_cnt += 1
+            b.num_hits += 1
+            b.last_used = now
+            self.policy.on_hit(b)
+
+    def allocate(self, n: int) -> list[KVBlock] | None:
+        """``n`` blocks with refcount 1, or None (and nothing taken) if the pool cannot supply them."""
+        if n > self.num_free:
+            return None
+        now = self.clock()
+        out = []
+        for _ in range(n):
+            if self.empty:
+                b = self.blocks[self.empty.popleft()]
+            else:
+                b = self.policy.evict()
+                self._uncache(b, evicted=True)
+                self.num_evictions += 1
+                self.eviction_times.append(now)
+            b.ref_cnt = 1
+            b.last_used = now
+            self.num_in_use += 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference on each block, tail first, so descendants become evictable before
+        their ancestors."""
+        now = self.clock()
+        for b in reversed(blocks):
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {b.block_id}")
+            b.ref_cnt -= 1
+            if b.ref_cnt:
+                continue
+            self.num_in_use -= 1
+            b.last_used = now
+            if b.key is None:
+                self.empty.append(b.block_id)
+            elif b.pinned_until > now:
+                self.pinned[b.block_id] = b
+            else:
+                self.policy.on_free(b)
+
+    # ------------------------------------------------------------------ caching
+    def cache_block(self, block: KVBlock, key: BlockKey, token_ids: Sequence[int],
+                    info: AdmitInfo) -> bool:
+        """Register a full, computed, in-use block under ``key``.
+
+        Returns False (block stays uncached) if the key is already cached by another block or the
+        policy declines to admit it.
+        """
+        assert block.ref_cnt > 0 and block.key is None
+        if key in self.index or not self.policy.admit(info):
+            return False
+        block.key = key
+        block.token_ids = tuple(token_ids)
+        block.parent = info.parent
+        block.depth = info.depth
+        block.num_hits = 0
+        block.priority = info.priority
+        self.index[key] = block
+        block.salt = info.salt
+        if info.parent is not None:
+            self.children.setdefault(info.parent, set()).add(key)
+        self.ghosts.pop(key, None)
+        self.policy.on_cached(block, info)
+        return True
+
+    def pin(self, block: KVBlock, until: float) -> bool:
+        """Keep a cached block from eviction until ``until`` (monotonic). Refused (False) when pins
+        would exceed their share of the pool."""
+        if block.key is None:
+            return False
+        if block.pinned_until <= self.clock():
+            if self.num_pinned_blocks >= self.max_pinned:
+                return False
+            self.num_pinned_blocks += 1
+        block.pinned_until = max(block.pinned_until, until)
+        return True
+
+    def _expire_pins(self) -> None:
+        if not self.num_pinned_blocks:
+            return
+        now = self.clock()
+        for b in self.blocks:
+            if b.pinned_until and b.pinned_until <= now:
+                b.pinned_until = 0.0
+                self.num_pinned_blocks -= 1
+                if self.pinned.pop(b.block_id, None) is not None:
+                    self.policy.on_free(b)
+
+    def _uncache(self, b: KVBlock, evicted: bool) -> None:
+        assert b.key is not None
+        del self.index[b.key]
+        if b.parent is not None:
+            siblings = self.children.get(b.parent)
+            if siblings is not None:
+                siblings.discard(b.key)
+                if not siblings:
+                    del self.children[b.parent]
+        if evicted and self.ghost_size:
+            self.ghosts[b.key] = None
+            if len(self.ghosts) > self.ghost_size:
+                self.ghosts.popitem(last=False)
+        if b.pinned_until:
+            b.pinned_until = 0.0
+            self.num_pinned_blocks -= 1
+        b.key = None
+        b.token_ids = None
+        b.parent = None
+        b.salt = None
+        b.num_hits = 0
+        b.priority = 0
+        b.policy_state.clear()
+
+    def reset(self) -> tuple[int, int]:
+        """Drop every free cached block. Returns (dropped, left_in_use)."""
+        dropped = 0
+        for b in list(self.index.values()):
+            if b.ref_cnt == 0:
+                if b.block_id in self.pinned:
+                    del self.pinned[b.block_id]
+                else:
+                    self.policy.on_removed(b)
+                self._uncache(b, evicted=False)
+                self.empty.append(b.block_id)
+                dropped += 1
+        return dropped, len(self.index)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any block is in more or fewer than one state."""
+        empty = set(self.empty)
+        assert len(empty) == len(self.empty), "duplicate in empty list"
+        in_use = 0
+        for b in self.blocks:
+            states = (b.ref_cnt > 0) + (b.ref_cnt == 0 and b.key is not None) + (b.block_id in empty)
+            assert states == 1, f"block {b.block_id} in {states} states (ref={b.ref_cnt}, key={b.key is not None})"
+            assert b.ref_cnt >= 0
+            if b.key is not None:
+                assert self.index.get(b.key) is b, f"block {b.block_id} cached but not indexed"
+            in_use += b.ref_cnt > 0
+        assert in_use == self.num_in_use, f"num_in_use {self.num_in_use} != {in_use}"
+        evictable = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.key is not None)
+        assert evictable == len(self.policy) + len(self.pinned), \
+            f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)}"
+        assert len(self.index) == sum(1 for b in self.blocks if b.key is not None)

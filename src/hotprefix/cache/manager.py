@@ -1,0 +1,352 @@
+"""KV cache manager: the prefix cache as the scheduler sees it.
+
+Per request it keeps the block table (list of ``KVBlock``) and the chain of block keys, and offers
+four operations, in the order a request meets them:
+
+  ``lookup``    longest run of cached full blocks (at most ``len(tokens) - 1`` tokens), with a
+                miss report saying why the prompt did not hit further;
+  ``allocate``  take references on the hit blocks and fresh blocks for the tokens to compute;
+  ``commit``    after a step, register every block that became full (prefill chunks and decodes);
+  ``free``      drop the request's references (tail first).
+
+It also tracks *in-flight* keys (blocks that a running request will compute) so the scheduler can
+hold back a waiting request that would otherwise recompute the same prefix in the same step.
+
+Knows nothing about tensors, tokenizers or HTTP. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hotprefix.cache.block_pool import AdmitInfo, BlockPool, KVBlock
+from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.stats import CacheStats
+
+log = logging.getLogger(__name__)
+
+CONTENT_ROOT = BlockKey(b"hotprefix/content-root")
+EXCERPT_TOKENS = 12
+
+
+@dataclass(eq=False)
+class CacheRequest:
+    """What the cache needs to know about a request. The engine's Request extends it."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt + output tokens so far (grows during decode)."""
+    num_prompt_tokens: int
+    salt: str | None = None
+    """Tenant salt; enters the key chain at block ``salt_from_block``."""
+    salt_from_block: int = 0
+    """Blocks before this one are shared across tenants (a common system prompt)."""
+    cache_write: bool = True
+    """False = read from the cache but add nothing to it (``cache: "none"``)."""
+    priority: int = 0
+    """Retention priority of the blocks this request writes."""
+    pin_ttl_s: float = 0.0
+    """Pin the blocks this request writes for this many seconds (0 = no pin)."""
+    block_keys: list[BlockKey] = field(default_factory=list)
+    """Keys of the full blocks of token_ids, filled lazily (or given by a trace replay)."""
+    keys_given: bool = False
+    """block_keys come from outside (trace replay): never recompute them from tokens."""
+    cache_report: dict[str, Any] | None = None
+    """The miss report of this request's first admission."""
+    content_keys: list[BlockKey] = field(default_factory=list)
+    """Key chain of the tokens alone (no namespace, no salt), filled lazily for diagnosis."""
+
+
+@dataclass
+class _ReqState:
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_committed: int = 0  # leading blocks that are cached (hit or registered) or settled
+    num_hit_blocks: int = 0
+    write_stopped: bool = False
+    pending: list[BlockKey] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Block tables, prefix lookup, block registration and the cache's statistics."""
+
+    def __init__(self, pool: BlockPool, hasher: BlockHasher, enable_prefix_caching: bool = True,
+                 stats_window: int = 1000, ledger: ContentLedger | None = None):
+        self.pool = pool
+        self.hasher = hasher
+        self.block_size = pool.block_size
+        self.enabled = enable_prefix_caching
+        self.stats = CacheStats(window=stats_window)
+        self.ledger = ledger if ledger is not None else ContentLedger()
+        self.namespace_tag = hasher.namespace.hex()[:16]
+        self._reqs: dict[str, _ReqState] = {}
+        self.pending: dict[BlockKey, str] = {}  # key -> id of the request computing it
+
+    # ------------------------------------------------------------------ keys
+    def keys(self, req: CacheRequest) -> list[BlockKey]:
+        if not req.keys_given:
+            self.hasher.extend(req.block_keys, req.token_ids, req.salt, req.salt_from_block)
+        return req.block_keys
+
+    def block_table(self, request_id: str) -> list[int]:
+        st = self._reqs.get(request_id)
+        return [b.block_id for b in st.blocks] if st else []
+
+    def num_blocks_held(self, request_id: str) -> int:
+        st = self._reqs.get(request_id)
+        return len(st.blocks) if st else 0
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, req: CacheRequest) -> list[KVBlock]:
+        """Cached blocks for the longest matching run of leading full blocks.
+
+        Never covers the last known token: it must be computed to have logits.
+        """
+        if not self.enabled:
+            return []
+        keys = self.keys(req)
+        bs = self.block_size
+        limit = min(len(keys), (len(req.token_ids) - 1) // bs) if not req.keys_given else \
+            min(len(keys), max(0, (req.num_prompt_tokens - 1) // bs))
+        hits: list[KVBlock] = []
+        for i in range(limit):
+            toks = None if req.keys_given else req.token_ids[i * bs:(i + 1) * bs]
+            blk = self.pool.lookup(keys[i], toks)
+            if blk is None:
+                break
+            hits.append(blk)
+        return hits
+
+    def inflight_owner(self, req: CacheRequest, num_hit_blocks: int) -> str | None:
+        """Id of another running request that is computing this request's next block, if any."""
+        keys = req.block_keys
+        if not self.enabled or num_hit_blocks >= len(keys):
+            return None
+        owner = self.pending.get(keys[num_hit_blocks])
+        return owner if owner is not None and owner != req.request_id else None
+
+    # ------------------------------------------------------------------ allocate / commit / free
+    def can_allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
+                     hits: list[KVBlock] = ()) -> bool:
+        st = self._reqs.get(req.request_id)
+        held = len(st.blocks) if st else 0
+        need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - held - len(hits)
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return need <= self.pool.num_free - evictable_hits
+
+    def allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
+                 hits: list[KVBlock] = ()) -> bool:
+        """Make the request hold enough blocks for ``num_computed_tokens + num_new_tokens``.
+
+        ``hits`` (from ``lookup``, only at admission) are referenced first. Returns False and takes
+        nothing if the pool cannot supply the blocks.
+        """
+        if not self.can_allocate(req, num_new_tokens, num_computed_tokens, hits):
+            return False
+        st = self._reqs.get(req.request_id)
+        first = st is None
+        if first:
+            st = self._reqs[req.request_id] = _ReqState()
+        if hits:
+            self.pool.touch(hits)
+            st.blocks.extend(hits)
+            st.num_committed = st.num_hit_blocks = len(hits)
+        need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - len(st.blocks)
+        if need > 0:
+            new = self.pool.allocate(need)
+            assert new is not None
+            st.blocks.extend(new)
+        if first and self.enabled and req.cache_write:
+            # Blocks of the known prompt this request is about to compute: others may wait for them.
+            keys = self.keys(req)
+            for key in keys[st.num_committed:]:
+                if key not in self.pending and key not in self.pool.index:
+                    self.pending[key] = req.request_id
+                    st.pending.append(key)
+        return True
+
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """Register the blocks that are full and computed after a step."""
+        st = self._reqs.get(req.request_id)
+        if st is None or not self.enabled:
+            return
+        n_full = num_computed_tokens // self.block_size
+        if n_full <= st.num_committed:
+            return
+        keys = self.keys(req)
+        bs = self.block_size
+        for i in range(st.num_committed, min(n_full, len(keys), len(st.blocks))):
+            blk = st.blocks[i]
+            key = keys[i]
+            if self.pending.get(key) == req.request_id:
+                del self.pending[key]
+            if blk.key is not None or st.write_stopped or not req.cache_write:
+                continue
+            if key in self.pool.index:
+                continue  # computed twice (e.g. both requests started together): keep one copy
+            toks = req.token_ids[i * bs:(i + 1) * bs] if not req.keys_given else ()
+            info = AdmitInfo(depth=i, request_num_blocks=req.num_prompt_tokens // bs,
+                             request_hit_blocks=st.num_hit_blocks,
+                             parent=keys[i - 1] if i else None,
+                             parent_seen=i > 0 and i <= st.num_hit_blocks,
+                             priority=req.priority,
+                             salt=req.salt if i == req.salt_from_block else None)
+            if not self.pool.cache_block(blk, key, toks, info):
+                st.write_stopped = True  # descendants of an unadmitted block are unreachable
+                continue
+            if req.pin_ttl_s > 0:
+                self.pool.pin(blk, self.pool.clock() + req.pin_ttl_s)
+            self.stats.written_blocks += 1
+            if req.cache_report is not None:
+                req.cache_report["written_blocks"] += 1
+            if not req.keys_given:
+                self._record_content(req, i)
+        st.num_committed = max(st.num_committed, n_full)
+
+    def free(self, req: CacheRequest) -> None:
+        """Release every block the request holds (finished, aborted or preempted)."""
+        st = self._reqs.pop(req.request_id, None)
+        if st is None:
+            return
+        for key in st.pending:
+            if self.pending.get(key) == req.request_id:
+                del self.pending[key]
+        self.pool.free(st.blocks)
+
+    def reset(self) -> dict[str, int]:
+        """Drop every free cached block; blocks in use stay. Returns counts."""
+        dropped, kept = self.pool.reset()
+        return {"dropped_blocks": dropped, "in_use_blocks_kept": kept}
+
+    # ------------------------------------------------------------------ miss report
+    def report(self, req: CacheRequest, hits: list[KVBlock]) -> dict[str, Any]:
+        """Why the prompt did (not) hit further; recorded in the stats. Call once per request."""
+        bs = self.block_size
+        n_prompt = req.num_prompt_tokens
+        cacheable = max(0, (n_prompt - 1) // bs)
+        n_hit = len(hits)
+        cached_tokens = n_hit * bs
+        rep: dict[str, Any] = {
+            "cached_tokens": cached_tokens, "computed_tokens": n_prompt - cached_tokens,
+            "written_blocks": 0, "miss_reason": "hit", "miss_position": None, "detail": None,
+        }
+        if not self.enabled:
+            rep.update(miss_reason="cold", detail={"note": "prefix caching is disabled"})
+        elif cacheable == 0:
+            rep.update(miss_reason="too_short", detail={
+                "note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the last token "
+                        "is always computed"})
+        elif n_hit < cacheable:
+            rep.update(self._miss_reason(req, n_hit))
+        self.stats.record(n_prompt, cached_tokens, rep["miss_reason"], n_prompt - cached_tokens)
+        req.cache_report = rep
+        return rep
+
+    def _miss_reason(self, req: CacheRequest, k: int) -> dict[str, Any]:
+        keys = self.keys(req)
+        key = keys[k]
+        pos = k * self.block_size
+        base = {"miss_position": pos}
+        if self.pool.was_evicted(key):
+            return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}
+        if not req.keys_given:
+            owners = self.ledger.lookup(self._content_keys(req, k + 1)[k])
+            mine = ContentLedger.salt_tag(req.salt)
+            same_ns = [o for o in owners if o[0] == self.namespace_tag]
+            if any(o[1] == mine for o in same_ns):  # was cached here before, is gone now
+                return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}
+            if same_ns:
+                return {**base, "miss_reason": "salt",
+                        "detail": {"block_index": k, "note": "the same tokens are cached for another tenant"}}
+            if owners:
+                return {**base, "miss_reason": "namespace",
+                        "detail": {"block_index": k, "note": "these tokens were cached under another "
+                                   "model or tokenizer fingerprint (checkpoint or tokenizer change)",
+                                   "other_namespaces": sorted({o[0] for o in owners})[:4]}}
+        parent = keys[k - 1] if k else self.hasher.namespace
+        siblings = [b for b in self.pool.cached_children(parent)
+                    if k != req.salt_from_block or b.salt == req.salt]
+        if siblings and not req.keys_given:
+            bs = self.block_size
+            sent = req.token_ids[pos:pos + bs]
+            best, common = None, -1
+            for b in siblings:
+                c = _common_prefix(sent, b.token_ids or ())
+                if c > common:
+                    best, common = b, c
+            n = pos + common
+            lo = max(0, common - 4)
+            return {**base, "miss_position": n, "miss_reason": "diverged",
+                    "detail": {"block_index": k, "matched_tokens": n,
+                               "sent_token_ids": list(req.token_ids[pos + lo:pos + common + EXCERPT_TOKENS]),
+                               "cached_token_ids": list((best.token_ids or ())[lo:]),
+                               "context_token_ids": list(req.token_ids[max(0, n - 8):n])}}
+        if siblings:  # trace replay: no tokens to compare
+            return {**base, "miss_reason": "diverged", "detail": {"block_index": k}}
+        return {**base, "miss_reason": "cold", "detail": {"block_index": k}}
+
+    def _content_keys(self, req: CacheRequest, n: int) -> list[BlockKey]:
+        """Key chain of the tokens alone: no namespace, no salt (for namespace/salt diagnosis)."""
+        if len(req.content_keys) < n:
+            self.hasher.extend(req.content_keys, req.token_ids[:n * self.block_size],
+                               namespace=CONTENT_ROOT)
+        return req.content_keys
+
+    def _record_content(self, req: CacheRequest, i: int) -> None:
+        if i >= self.ledger.max_depth:
+            return
+        content = self._content_keys(req, i + 1)[i]
+        self.ledger.record(content, self.namespace_tag, req.salt)
+
+    # ------------------------------------------------------------------ stats
+    def usage(self) -> float:
+        return self.pool.num_in_use / self.pool.num_blocks
+
+    def snapshot(self) -> dict[str, Any]:
+        p, s = self.pool, self.stats
+        import time as _t
+        now = _t.monotonic()
+        recent = [t for t in p.eviction_times if now - t <= 60.0]
+        return {
+            "enabled": self.enabled,
+            "block_size": self.block_size,
+            "blocks_total": p.num_blocks,
+            "blocks_in_use": p.num_in_use,
+            "blocks_cached": p.num_cached,
+            "blocks_empty": len(p.empty),
+            "blocks_pinned": p.num_pinned_blocks,
+            "capacity_tokens": p.num_blocks * self.block_size,
+            "kv_usage": self.usage(),
+            "queries_tokens": s.queries_tokens,
+            "hit_tokens": s.hit_tokens,
+            "hit_rate": s.hit_rate,
+            "hit_rate_recent": s.recent_hit_rate,
+            "recent_window_requests": len(s.recent),
+            "requests": s.num_requests,
+            "written_blocks": s.written_blocks,
+            "evictions": p.num_evictions,
+            "evictions_per_second": len(recent) / 60.0,
+            "eviction_policy": p.policy.name,
+            "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
+            "miss_share_by_reason": s.miss_breakdown(),
+            "requests_by_reason": dict(s.requests_by_reason),
+        }
+
+    def top_prefixes(self, n: int = 10) -> list[dict[str, Any]]:
+        """Cached root-side blocks with the most hits (no content, only ids and counts)."""
+        blocks = sorted((b for b in self.pool.index.values()), key=lambda b: (-b.num_hits, b.depth))
+        return [{"key": b.key.hex()[:16], "depth": b.depth, "hits": b.num_hits,
+                 "tokens": (b.depth + 1) * self.block_size, "in_use": b.ref_cnt > 0}
+                for b in blocks[:n] if b.num_hits > 0]
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,62 @@
+"""Prefix cache statistics: lifetime and windowed hit rates, miss reasons, evictions per second.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+MISS_REASONS = ("hit", "too_short", "cold", "evicted", "diverged", "namespace", "salt")
+
+
+@dataclass
+class CacheStats:
+    """Counters the manager updates once per admitted request."""
+
+    window: int = 1000
+    queries_tokens: int = 0
+    """Prompt tokens looked up (lifetime)."""
+    hit_tokens: int = 0
+    """Prompt tokens served from cache (lifetime)."""
+    num_requests: int = 0
+    written_blocks: int = 0
+    """Blocks added to the cache by requests (cache writes)."""
+    miss_tokens_by_reason: Counter = field(default_factory=Counter)
+    """Uncached prompt tokens, by the miss reason of their request."""
+    requests_by_reason: Counter = field(default_factory=Counter)
+    recent: deque = field(default_factory=deque)
+    started: float = field(default_factory=time.monotonic)
+
+    def record(self, queried: int, hit: int, reason: str, missed_tokens: int) -> None:
+        self.queries_tokens += queried
+        self.hit_tokens += hit
+        self.num_requests += 1
+        self.requests_by_reason[reason] += 1
+        if missed_tokens:
+            self.miss_tokens_by_reason[reason] += missed_tokens
+        self.recent.append((queried, hit))
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+    @property
+    def recent_hit_rate(self) -> float:
+        q = sum(x for x, _ in self.recent)
+        return sum(h for _, h in self.recent) / q if q else 0.0
+
+    def miss_breakdown(self) -> dict[str, float]:
+        """Share of uncached prompt tokens by reason."""
+        total = sum(self.miss_tokens_by_reason.values())
+        return {k: v / total for k, v in self.miss_tokens_by_reason.most_common()} if total else {}
+
+    def reset(self) -> None:
+        self.queries_tokens = self.hit_tokens = self.num_requests = self.written_blocks = 0
+        self.miss_tokens_by_reason.clear()
+        self.requests_by_reason.clear()
+        self.recent.clear()

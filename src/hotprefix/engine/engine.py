@@ -1,0 +1,210 @@
+"""The engine loop: add_request / step / abort. One step = schedule -> run -> postprocess.
+
+Builds the pieces from an ``EngineConfig``: loads the model and its tokenizer, fingerprints both
+into the cache namespace, sizes the pool, and wires scheduler -> cache and runner -> model.
+Output processing (detokenizing, stop strings, timings) happens here; the scheduler and runner
+know nothing about text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.hashing import BlockHasher, namespace_key
+from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.manager import KVCacheManager
+from hotprefix.config import EngineConfig
+from hotprefix.engine.request import Request, Status
+from hotprefix.engine.runner import ModelRunner
+from hotprefix.engine.scheduler import RequestRejected, Scheduler
+from hotprefix.model.loader import load_model
+from hotprefix.sampling import SamplingParams, make_generator
+from hotprefix.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class RequestOutput:
+    """What a caller gets back for one request (incrementally while streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    cache_report: dict[str, Any] | None
+    ttft_s: float | None
+    """Seconds from arrival to the first generated token."""
+    token_latencies_s: list[float] = field(default_factory=list)
+    """Seconds between consecutive generated tokens."""
+    e2e_s: float | None = None
+    new_text: str = ""
+    """Text added since the previous output of this request (streaming)."""
+    error: str | None = None
+
+    @property
+    def mean_token_latency_s(self) -> float | None:
+        lat = self.token_latencies_s
+        return sum(lat) / len(lat) if lat else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        t0 = time.monotonic()
+        loaded = load_model(config.model.model)
+        self.model_name = loaded.name
+        self.model_path = loaded.path
+        self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source)
+        self.model_fingerprint = loaded.fingerprint
+        self.tokenizer_fingerprint = self.tokenizer.fingerprint
+        self.runner = ModelRunner(loaded, config.model, config.cache)
+        del loaded
+        cc = config.cache
+        self.block_size = cc.block_size
+        pool = BlockPool(self.runner.num_blocks, cc.block_size, cc.eviction_policy, cc.ghost_size)
+        self.namespace = namespace_key(self.model_fingerprint, self.tokenizer_fingerprint)
+        hasher = BlockHasher(self.namespace, cc.block_size, cc.hash_algo)
+        ledger = ContentLedger(os.path.join(cc.state_dir, "ledger.txt") if cc.state_dir else None)
+        self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window, ledger)
+        arch_len = self.runner.arch.max_position
+        self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
+        self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._decoded: dict[str, str] = {}
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []
+        log.info("model %s (fingerprint %s), tokenizer fingerprint %s, namespace %s, "
+                 "max_model_len %d, prefix caching %s, loaded in %.1fs",
+                 self.model_name, self.model_fingerprint, self.tokenizer_fingerprint,
+                 self.namespace.hex()[:16], self.max_model_len,
+                 "on" if cc.enable_prefix_caching else "off", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    salt_from_block: int = 0, cache_write: bool = True, priority: int = 0,
+                    pin_ttl_s: float = 0.0, arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises RequestRejected (too long, empty) or ValueError (bad ids)."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.runner.arch.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestRejected(f"duplicate request id {rid}")
+        req = Request(request_id=rid, token_ids=token_ids, num_prompt_tokens=len(token_ids),
+                      salt=cache_salt, salt_from_block=salt_from_block, cache_write=cache_write,
+                      priority=priority, pin_ttl_s=pin_ttl_s, params=params,
+                      generator=make_generator(params))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        self._decoded[rid] = ""
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._decoded.pop(request_id, None)
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled batch; outputs of requests that progressed."""
+        sched = self.scheduler.schedule()
+        tables = {id(c.request): self.cache.block_table(c.request.request_id) for c in sched.chunks}
+        sampled = self.runner.run(sched.chunks, tables)
+        advanced = self.scheduler.update(sched, sampled)
+        now = time.monotonic()
+        outputs = [self._postprocess(req, now) for req in advanced]
+        outputs += [self._output(req, "") for req in sched.finished if req.request_id in self.requests]
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+                self._decoded.pop(o.request_id, None)
+        self.cache.ledger.flush()
+        for cb in self.on_step:
+            cb({"num_tokens": sched.num_tokens, "outputs": outputs})
+        return outputs
+
+    def _postprocess(self, req: Request, now: float) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_times.append(now)
+        tok = req.token_ids[-1]
+        p = req.params
+        reason = None
+        if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        elif p.stop_token_ids and tok in p.stop_token_ids:
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        elif req.num_tokens >= self.max_model_len:
+            reason = "length"
+        out_ids = req.output_token_ids
+        if reason == "stop":
+            out_ids = out_ids[:-1]  # the stop token is not part of the text
+        text = self.tokenizer.decode(out_ids)
+        if p.stop_list:
+            cut = min((i for i in (text.find(s) for s in p.stop_list) if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        elif text.endswith("\ufffd"):
+            text = self._decoded[req.request_id]  # wait for the rest of a multi-byte character
+        else:
+            # hold back a possible stop-string prefix so a stream never shows part of a stop string
+            hold = max((len(s) - 1 for s in p.stop_list), default=0)
+            if hold:
+                text = text[:max(len(self._decoded[req.request_id]), len(text) - hold)]
+        return self._output(req, text)
+
+    def _output(self, req: Request, text: str) -> RequestOutput:
+        prev = self._decoded.get(req.request_id, "")
+        new = text[len(prev):] if text.startswith(prev) else ""
+        if req.is_finished or text.startswith(prev):
+            self._decoded[req.request_id] = text if text.startswith(prev) else prev
+        times = req.token_times
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
+            token_ids=req.output_token_ids,
+            text=text if req.is_finished else prev + new, finished=req.is_finished,
+            finish_reason=req.finish_reason, num_cached_tokens=max(0, req.num_cached_tokens),
+            cache_report=req.cache_report, ttft_s=req.ttft_s(),
+            token_latencies_s=[b - a for a, b in zip(times, times[1:])],
+            e2e_s=(times[-1] - req.arrival_time) if req.is_finished and times else None,
+            new_text=new, error=req.error)
+
+    # ------------------------------------------------------------------ cache admin
+    def cache_stats(self) -> dict[str, Any]:
+        s = self.cache.snapshot()
+        s.update(model_fingerprint=self.model_fingerprint,
+                 tokenizer_fingerprint=self.tokenizer_fingerprint,
+                 namespace=self.namespace.hex()[:16],
+                 bytes_per_token=self.runner.bytes_per_token,
+                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        return s
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        return self.cache.reset()

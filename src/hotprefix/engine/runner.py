@@ -1,0 +1,197 @@
+"""Model runner: owns the model and the KV pool tensors; turns a scheduled step into tensors
+(input ids, positions, slot mapping, block tables), runs the forward pass and samples.
+
+Sizes the pool from ``kv_cache_memory`` / ``memory_utilization`` / ``num_blocks``. In deterministic
+mode every sequence's tokens are cut at block boundaries and each piece runs padded to one fixed
+tile of ``block_size`` rows, so a token's arithmetic never depends on how much of its prefix came
+from cache or what else was in the batch.
+
+Knows the model and the scheduler's output; not the cache's hashing or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
+from hotprefix.engine.scheduler import ScheduledChunk
+from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+from hotprefix.model.llama import LlamaModel
+from hotprefix.model.loader import LoadedModel
+from hotprefix.sampling import sample
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY = "1GiB"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but CUDA is not available")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_num_blocks(cache: CacheConfig, bytes_per_block: int, weights_bytes: int,
+                    device: torch.device) -> int:
+    """Number of KV blocks for the configured pool size."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory is not None:
+        budget = parse_bytes(cache.kv_cache_memory)
+    else:
+        util = cache.memory_utilization
+        if util is None and device.type == "cpu":
+            budget = parse_bytes(DEFAULT_CPU_KV_MEMORY)
+        else:
+            util = 0.9 if util is None else util
+            used = torch.cuda.memory_allocated(device) if device.type == "cuda" else weights_bytes
+            reserve = 512 * 1024**2  # activations of one step
+            budget = int(_total_memory(device) * util) - used - reserve
+    n = budget // bytes_per_block
+    if n < 2:
+        raise ConfigError(f"the KV pool budget ({budget} bytes) holds fewer than 2 blocks of "
+                          f"{bytes_per_block} bytes; raise kv_cache_memory or memory_utilization")
+    return int(n)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig):
+        if model_cfg.num_threads:
+            torch.set_num_threads(model_cfg.num_threads)
+        self.device = pick_device(model_cfg.device)
+        self.dtype = pick_dtype(model_cfg.dtype, self.device)
+        self.deterministic = model_cfg.deterministic
+        self.arch = arch = loaded.arch
+        self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype)
+        self.block_size = bs = cache_cfg.block_size
+        dbytes = torch.finfo(self.dtype).bits // 8
+        self.bytes_per_token = arch.kv_bytes_per_token(dbytes)
+        weights_bytes = sum(t.numel() for t in loaded.weights.values()) * dbytes
+        self.num_blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, weights_bytes, self.device)
+        shape = (self.num_blocks, bs, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(arch.num_layers)]
+        self.capacity_tokens = self.num_blocks * bs
+        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s %s",
+                 self.num_blocks, bs, self.capacity_tokens,
+                 self.num_blocks * bs * self.bytes_per_token / 2**20, self.bytes_per_token,
+                 self.device, str(self.dtype).replace("torch.", ""))
+
+    # ------------------------------------------------------------------ one step
+    def run(self, chunks: list[ScheduledChunk], block_tables: dict[int, list[int]]) -> dict[int, int]:
+        """Forward the scheduled chunks; sample for those that reached their last token.
+
+        Returns: id(request) -> sampled token.
+        """
+        if not chunks:
+            return {}
+        if self.deterministic:
+            logits, owners = self._run_tiled(chunks, block_tables)
+        else:
+            logits, owners = self._run_batched(chunks, block_tables)
+        if not owners:
+            return {}
+        reqs = [c.request for c in owners]
+        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return {id(r): t for r, t in zip(reqs, toks)}
+
+    def forward_logits(self, chunks: list[ScheduledChunk], block_tables: dict[int, list[int]]):
+        """Logits of the chunks' last tokens (for tests); same path as ``run``."""
+        run = self._run_tiled if self.deterministic else self._run_batched
+        return run(chunks, block_tables)
+
+    def _run_batched(self, chunks, block_tables):
+        bs, dev = self.block_size, self.device
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        owners: list[ScheduledChunk] = []
+        for c in decodes:
+            p = c.start
+            bt = block_tables[id(c.request)]
+            ids.append(c.request.token_ids[p])
+            pos.append(p)
+            slots.append(bt[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), prefills=[])  # type: ignore[arg-type]
+        if decodes:
+            max_blocks = max(len(block_tables[id(c.request)]) for c in decodes)
+            table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+            for r, c in enumerate(decodes):
+                bt = block_tables[id(c.request)]
+                table[r, :len(bt)] = torch.tensor(bt)
+            ctx = torch.tensor([c.start + 1 for c in decodes])
+            meta.decode_block_tables = table.to(dev)
+            meta.decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(
+                len(decodes), 1, 1, -1).to(dev)
+            for r, c in enumerate(decodes):
+                if c.wants_logits:
+                    logit_rows.append(r)
+                    owners.append(c)
+        for c in prefills:
+            start, n = c.start, c.num_tokens
+            bt = block_tables[id(c.request)]
+            q0 = len(ids)
+            ids.extend(c.request.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
+            nb = math.ceil((start + n) / bs)
+            meta.prefills.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
+            if c.wants_logits:
+                logit_rows.append(q0 + n - 1)
+                owners.append(c)
+        meta.slot_mapping = torch.tensor(slots, device=dev)
+        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                                    self.kv_caches, meta, torch.tensor(logit_rows, device=dev))
+        return logits, owners
+
+    def _run_tiled(self, chunks, block_tables):
+        """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""
+        bs, dev = self.block_size, self.device
+        rows, owners = [], []
+        for c in chunks:
+            bt = block_tables[id(c.request)]
+            p, end = c.start, c.start + c.num_tokens
+            while p < end:
+                b = p // bs
+                tile_end = min(end, (b + 1) * bs)
+                ids = [0] * bs
+                slots = [-1] * bs
+                for q in range(p, tile_end):
+                    ids[q % bs] = c.request.token_ids[q]
+                    slots[q % bs] = bt[b] * bs + q % bs
+                positions = torch.arange(b * bs, (b + 1) * bs, device=dev)
+                meta = AttentionMetadata(
+                    slot_mapping=torch.tensor(slots, device=dev), has_padding=True,
+                    prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(bt[:b + 1], device=dev))])
+                logits = self.model.forward(torch.tensor(ids, device=dev), positions, self.kv_caches,
+                                            meta, None)
+                if tile_end == end and c.wants_logits:
+                    rows.append(logits[(end - 1) % bs])
+                    owners.append(c)
+                p = tile_end
+        if not rows:
+            return torch.empty(0), []
+        return torch.stack(rows), owners

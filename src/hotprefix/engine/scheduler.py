@@ -1,0 +1,212 @@
+"""Continuous batching: who runs in the next step, and with how many tokens.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first: a decoding
+request takes 1 token, a request still prefilling takes the next chunk of its prompt (chunked
+prefill), so long prompts share steps with decodes. Then waiting requests are admitted: each gets a
+prefix-cache lookup, its cached blocks are referenced, and only the rest is scheduled.
+
+  * cache-aware admission: among waiting requests, those with the longest cached prefix go first,
+    but none is passed over more than ``max_skips`` times (fairness);
+  * in-flight sharing: a waiting request whose next block is being computed by a running request
+    waits for it instead of computing the same tokens in the same step;
+  * preemption by recompute: when the pool cannot supply a running request's next block, the most
+    recently admitted request gives back its blocks and returns to the front of the queue (its
+    blocks stay cached, so re-admission usually hits them).
+
+Knows the cache manager, not the model or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from hotprefix.cache.manager import KVCacheManager
+from hotprefix.config import SchedulerConfig
+from hotprefix.engine.request import Request, Status
+
+ADMISSION_WINDOW = 64  # waiting requests considered for cache-aware ordering each step
+
+
+class RequestRejected(ValueError):
+    """The request can never run (too long for the model or the pool)."""
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+    start: int  # num_computed_tokens before this step
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (capacity)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.manager = manager
+        self.max_model_len = max_model_len
+        self.block_size = manager.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ------------------------------------------------------------------ intake
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected if a request of this size can never be served."""
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {num_prompt_tokens} tokens, but this model's max_model_len is "
+                f"{self.max_model_len} (prompt + at least one generated token must fit)")
+        if math.ceil((num_prompt_tokens + 1) / self.block_size) > self.manager.pool.num_blocks:
+            raise RequestRejected(
+                f"the prompt has {num_prompt_tokens} tokens, more than the KV pool holds "
+                f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory")
+
+    def add(self, req: Request) -> None:
+        self.check(req.num_prompt_tokens, req.params.max_tokens)
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take an aborted or finished request out of the queues and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.manager.free(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.manager.allocate(req, n, req.num_computed_tokens):
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    # Alone and still out of blocks: it has outgrown the pool.
+                    self.running.pop()
+                    self.manager.free(req)
+                    req.status = Status.FINISHED
+                    req.finish_reason = "length"
+                    out.finished.append(req)
+                    break
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
+                scheduled.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            # req itself left the running list; the next request is now at index i
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = Status.PREEMPTED
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        out.chunks = [c for c in out.chunks if c.request is not victim]
+
+    def _order(self) -> list[Request]:
+        window = list(self.waiting)[:ADMISSION_WINDOW]
+        if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
+            return window
+        hits = {id(r): len(self.manager.lookup(r)) for r in window}
+        overdue = [r for r in window if r.num_skips >= self.config.max_skips]
+        rest = [r for r in window if r.num_skips < self.config.max_skips]
+        rest.sort(key=lambda r: -hits[id(r)])  # stable: FCFS among equal hits
+        return overdue + rest
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        admitted: list[Request] = []
+        fcfs = list(self.waiting)[:ADMISSION_WINDOW]
+        for req in self._order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hits = self.manager.lookup(req)
+            if self.manager.inflight_owner(req, len(hits)) is not None:
+                continue  # its next block is being computed right now: reuse it next step
+            num_computed = len(hits) * self.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            if not self.manager.allocate(req, n, num_computed, hits):
+                break  # pool full: keep the order, retry next step
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+                self.manager.report(req, hits)
+            req.num_computed_tokens = num_computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            out.chunks.append(ScheduledChunk(req, n, num_computed))
+            budget -= n
+        if admitted:
+            ids = {id(r) for r in admitted}
+            for r in admitted:
+                self.waiting.remove(r)
+            last = max(fcfs.index(r) for r in admitted)
+            for r in fcfs[:last]:
+                if id(r) not in ids:
+                    r.num_skips += 1
+
+    # ------------------------------------------------------------------ after the step
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, register full blocks.
+
+        Args:
+            sampled: id(request) -> token sampled for requests whose chunk reached their last token.
+
+        Returns:
+            Requests that got a new token this step (the engine checks them for stops).
+        """
+        advanced = []
+        for c in out.chunks:
+            req = c.request
+            req.num_computed_tokens = c.start + c.num_tokens
+            self.manager.commit(req, req.num_computed_tokens)
+            tok = sampled.get(id(req))
+            if tok is not None:
+                req.token_ids.append(tok)
+                advanced.append(req)
+        return advanced
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.remove(req)

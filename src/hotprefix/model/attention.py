@@ -1,0 +1,86 @@
+"""Attention over a paged KV pool.
+
+The pool of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and
+V). New K/V are written through ``slot_mapping`` (slot = block_id * block_size + offset); attention
+reads each sequence's K/V through its ``block_table``. Plain torch (SDPA), so it runs on CPU and CUDA.
+
+This module knows nothing about requests, hashing or scheduling: only tensors and indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's chunk in a step: tokens ``q_start:q_end`` of the flat batch."""
+
+    q_start: int
+    q_end: int
+    context_len: int  # tokens of this sequence in the pool after this step (prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] long
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V go and what each query attends to.
+
+    Decode tokens (one per sequence) come first in the flat batch, then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool
+    prefills: list[PrefillSeq] | None = None
+    has_padding: bool = False
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    nh, hd = k_cache.shape[-2], k_cache.shape[-1]
+    slots = meta.slot_mapping
+    if meta.has_padding:
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, nh, hd).index_copy_(0, slots, k)
+    v_cache.view(-1, nh, hd).index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    K/V of the current step must already be written to the pool.
+    """
+    out = torch.empty_like(q)
+    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    gqa = q.shape[1] != nkv
+    nd = meta.num_decode
+    if nd:
+        bt = meta.decode_block_tables
+        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, hd]
+        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [B, H, 1, hd]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    for p in meta.prefills or ():
+        n = p.q_end - p.q_start
+        k = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)  # [nkv, L, hd]
+        v = v_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)
+        qp = q[p.q_start:p.q_end].transpose(0, 1)  # [H, n, hd]
+        if n == p.context_len:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            offset = p.context_len - n
+            rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
+            cols = torch.arange(p.context_len, device=q.device).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=cols <= rows, scale=scale,
+                                               enable_gqa=gqa)
+        out[p.q_start:p.q_end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,113 @@
+"""Sampling parameters (validated) and the sampler.
+
+Greedy when temperature is 0; otherwise temperature, top-k and top-p, drawn from a per-request
+``torch.Generator`` so a seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop."""
+
+    temperature: float = 0.0
+    """0 = greedy; higher = more random."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = all."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens."""
+    stop: str | list[str] | None = None
+    """Stop strings; the text ends before the first one."""
+    stop_token_ids: list[int] | None = None
+    """Extra token ids that end generation (EOS always does unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    stop_list: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop or [])
+
+    def validate(self) -> None:
+        def num(name: str, v) -> None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SamplingError(f"{name} must be a number, got {v!r}", name)
+
+        num("temperature", self.temperature)
+        num("top_p", self.top_p)
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise SamplingError(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not (0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0 or self.top_k < -1:
+            raise SamplingError(f"top_k must be -1 (all) or >= 1, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}", "seed")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise SamplingError("stop must be a non-empty string or a list of them", "stop")
+        if self.stop_token_ids is not None and not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise SamplingError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits`` ([rows, vocab], float32)."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            out.append(int(greedy[i]))
+            continue
+        row = logits[i].to("cpu", torch.float32) / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+    return out
