@@ -39,7 +39,7 @@ import re
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 from hotprefix.config import CacheConfig
 from hotprefix.tokenizer import Tokenizer, TokenizerError
@@ -528,6 +528,10 @@ def _cost(num_tokens: int, token: int, block_size: int) -> tuple[int, int, int]:
     return block, num_tokens - block * block_size, max(0, num_tokens // block_size - block)
 
 
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
 def _where(fld: Field | None, sample: Sample) -> str:
     if fld is None:
         return "text added by the chat template"
@@ -624,8 +628,7 @@ def _excerpt(text: str, at: int) -> str:
     return ("…" if lo else "") + text[lo:hi].replace("\n", "\\n") + ("…" if hi < len(text) else "")
 
 
-def sample_findings(prompts: list[Prompt], tok: Tokenizer, block_size: int
-                    ) -> tuple[list[Finding], dict[str, Any]]:
+def sample_findings(prompts: list[Prompt], block_size: int) -> tuple[list[Finding], dict[str, Any]]:
     """Cross-request checks over one file's prompts: ``system_prompt_varies`` and the shared prefix.
 
     Chat requests are grouped by template (system prompts equal once volatile spans are masked, or
@@ -683,7 +686,7 @@ def sample_findings(prompts: list[Prompt], tok: Tokenizer, block_size: int
             message=(f"system prompt differs from line {ref.sample.line}'s at token {token} "
                      f"(block {block}): \"{_excerpt(a, at)}\" vs \"{_excerpt(b, at)}\"; "
                      f"{len(variants)} variants in {len(g)} requests share only {group_shared:,} "
-                     f"tokens ({group_shared // block_size} blocks); costs {lost:,} tokens of "
+                     f"tokens ({_blocks(group_shared // block_size)}); costs {lost:,} tokens of "
                      "reuse per request"),
             details={"reference_line": ref.sample.line, "reference_excerpt": _excerpt(a, at),
                      "variant_excerpt": _excerpt(b, at), "num_variants": len(variants),
@@ -727,7 +730,7 @@ def lint_files(paths: Sequence[str], tok: Tokenizer, block_size: int) -> Report:
             warnings += p.warnings
             findings += volatile_findings(p, tok, block_size)
         if len(prompts) > 1:
-            more, stats = sample_findings(prompts, tok, block_size)
+            more, stats = sample_findings(prompts, block_size)
             findings += more
             samples_stats.append(stats)
     findings.sort(key=lambda f: (paths.index(f.file) if f.file in paths else -1, f.line or 0,
@@ -831,7 +834,7 @@ def format_human(report: Report) -> str:
         lines.append(f"warning: {w}")
     for st in s.get("samples", []):
         lines.append(f"{st['file']}: {st['requests']} requests share a {st['shared_prefix_tokens']:,}"
-                     f"-token prefix ({st['shared_prefix_blocks']} blocks of {s['block_size']})")
+                     f"-token prefix ({_blocks(st['shared_prefix_blocks'])} of {s['block_size']} tokens)")
     drift = s.get("drift")
     if drift:
         ok = sum(1 for t in drift["texts"] if t.get("first_diff") is None and "error" not in t)
@@ -853,7 +856,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so ``main`` returns 2 rather than raising."""
 
     def error(self, message: str) -> NoReturn:
-        raise LintUsageError(message)
+        raise LintUsageError(f"{message}\n{self.format_usage().rstrip()}")
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         if message:
@@ -939,11 +942,6 @@ def main(argv: list[str]) -> int:
     else:
         print(format_human(report))
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
-
-
-def iter_findings(report: Report) -> Iterator[Finding]:
-    """The findings of a report, in output order."""
-    return iter(report.findings)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,60 @@
+"""Shared fixtures: the real default model (loaded once per session) and a tiny random-weight
+Llama in a Hugging Face directory (fast engine tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hotprefix.model.loader import default_model_path
+from hotprefix.tokenizer import Tokenizer
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=True, model_type="llama")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer() -> Tokenizer:
+    return Tokenizer.load(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    """A 2-layer random Llama with the default model's tokenizer, as a HF directory."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    vocab = default_tokenizer.vocab_size
+    cfg = {**TINY, "vocab_size": vocab, "architectures": ["LlamaForCausalLM"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    h, inter, nh, nkv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+    w = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.5,
+         "model.norm.weight": torch.ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "self_attn.q_proj.weight"] = torch.randn(nh * hd, h, generator=g) * 0.2
+        w[p + "self_attn.k_proj.weight"] = torch.randn(nkv * hd, h, generator=g) * 0.2
+        w[p + "self_attn.v_proj.weight"] = torch.randn(nkv * hd, h, generator=g) * 0.2
+        w[p + "self_attn.o_proj.weight"] = torch.randn(h, nh * hd, generator=g) * 0.2
+        w[p + "mlp.gate_proj.weight"] = torch.randn(inter, h, generator=g) * 0.2
+        w[p + "mlp.up_proj.weight"] = torch.randn(inter, h, generator=g) * 0.2
+        w[p + "mlp.down_proj.weight"] = torch.randn(h, inter, generator=g) * 0.2
+    save_file(w, str(d / "model.safetensors"))
+    default_tokenizer.save_json(str(d / "tokenizer.json"))
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def real_llm():
+    """The real default model, shared by the tests that need it (prefix caching on)."""
+    from hotprefix import LLM
+
+    return LLM(kv_cache_memory="512MiB", num_threads=2)
