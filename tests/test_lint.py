@@ -197,7 +197,7 @@ def test_volatile_placeholder_after_the_per_request_tail_is_fine(gguf_tok: Token
     p = tmp_path / "rag_moved.j2"
     p.write_text(moved)
     f = only(lint_files([str(p)], gguf_tok, B))
-    assert (f.kind, f.line, f.column, f.text) == ("template_placeholder", 1, 29, "{{ retrieval_time }}")
+    assert (f.kind, f.line, f.column, f.text) == ("template_placeholder", 1, 28, "{{ retrieval_time }}")
     assert f.token > 0 and f.block == 0
 
 
@@ -208,9 +208,9 @@ def test_moving_the_timestamp_later_lowers_its_cost(gguf_tok: Tokenizer, tmp_pat
     late.write_text(body + "Now: 2026-11-29T13:47:43Z\nQuestion:")
     fe = only(lint_files([str(early)], gguf_tok, B))
     fl = only(lint_files([str(late)], gguf_tok, B))
-    assert fe.token == 2 and fe.block == 0
+    assert fe.token == 3 and fe.block == 0  # Now : ␠ 2
     assert fl.block == fl.token // B and fl.block >= 14
-    assert fe.tokens_lost > 10 * fl.tokens_lost
+    assert fe.tokens_lost == len(gguf_tok.encode(early.read_text())) > 5 * fl.tokens_lost
     assert fl.tokens_lost == len(gguf_tok.encode(late.read_text())) - fl.block * B
 
 
@@ -256,6 +256,20 @@ def test_different_apps_in_one_log_are_not_a_varying_system_prompt(gguf_tok: Tok
     assert report.summary["samples"][0]["requests"] == 3
 
 
+def test_date_injected_by_the_chat_template_itself(gguf_tok: Tokenizer, tmp_path: Path) -> None:
+    # Llama-3.1-style templates write "Today Date: ..." into every system prompt
+    template = gguf_tok.chat_template.replace(
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content']",
+        "{{'<|im_start|>' + message['role'] + '\nToday Date: 26 Jul 2024\n' + message['content']")
+    assert template != gguf_tok.chat_template
+    other = _modified_copy(gguf_tok, tmp_path / "dated", chat_template=template)
+    report = lint_files([d("clean_chat.jsonl")], other, B)
+    dated = [f for f in report.findings if f.kind == "date"]
+    assert [(f.line, f.column, f.field, f.text, f.token) for f in dated] == [
+        (i, None, "chat_template", "26 Jul 2024", 7) for i in range(1, 5)]
+    assert report.summary["warnings"] == []
+
+
 # ------------------------------------------------------------------------------- CLI
 def test_cli_exit_codes_and_human_output(capsys: pytest.CaptureFixture[str], json_tok_path: str) -> None:
     rc, out, _ = run(capsys, "--tokenizer", json_tok_path, *map(str, CLEAN))
@@ -283,8 +297,8 @@ def test_cli_json_output(capsys: pytest.CaptureFixture[str], json_tok_path: str)
     assert set(doc) == {"findings", "summary"}
     kinds = [(f["kind"], f["file"], f["line"]) for f in doc["findings"]]
     assert kinds == [("timestamp", d("trap_timestamps.jsonl"), 1),
-                     ("system_prompt_varies", d("trap_timestamps.jsonl"), 2),
-                     ("timestamp", d("trap_timestamps.jsonl"), 2),
+                     ("timestamp", d("trap_timestamps.jsonl"), 2),  # column 108
+                     ("system_prompt_varies", d("trap_timestamps.jsonl"), 2),  # column 123
                      ("timestamp", d("trap_timestamps.jsonl"), 3),
                      ("uuid", d("trap_uuid.txt"), 1)]
     for f in doc["findings"]:
@@ -307,7 +321,9 @@ def test_cli_json_output(capsys: pytest.CaptureFixture[str], json_tok_path: str)
     (["--block-size", "0", "tests/data/lint/clean_rag.j2"], "--block-size: expected a positive integer"),
     (["--frobnicate", "tests/data/lint/clean_rag.j2"], "unrecognized arguments: --frobnicate"),
     ([], "the following arguments are required: FILE"),
-    (["--tokenizers", "a", "tests/data/lint/clean_rag.j2"], "tokenizer source not found"),
+    (["--tokenizers", "/nonexistent/a", "/nonexistent/b", "tests/data/lint/clean_rag.j2"],
+     "tokenizer source not found"),
+    (["--tokenizers", "a", "tests/data/lint/clean_rag.j2"], "required: FILE"),
     (["--tokenizer", "/nonexistent/tok.json", "tests/data/lint/clean_rag.j2"], "tokenizer source not found"),
     (["--tokenizer", "x", "--tokenizers", "a", "b", "tests/data/lint/clean_rag.j2"], "not allowed with"),
 ])
@@ -369,8 +385,8 @@ def test_drift_from_a_removed_merge(gguf_tok: Tokenizer, tmp_path: Path) -> None
 
 def test_drift_from_a_changed_chat_template_only_hits_chat_requests(gguf_tok: Tokenizer,
                                                                       tmp_path: Path) -> None:
-    template = gguf_tok.chat_template.replace("'<|im_start|>' + message['role'] + '\\n'",
-                                              "'<|im_start|>' + message['role'] + ':\\n'")
+    template = gguf_tok.chat_template.replace("'<|im_start|>' + message['role'] + '\n'",
+                                              "'<|im_start|>' + message['role'] + ':\n'")
     assert template != gguf_tok.chat_template
     other = _modified_copy(gguf_tok, tmp_path / "tmpl", chat_template=template)
     report = check_drift([d("clean_system.txt"), d("trap_system_timestamp.json")], gguf_tok, other, B)
@@ -409,7 +425,7 @@ def test_cli_drift_against_modified_copy(capsys: pytest.CaptureFixture[str], ggu
                      d("trap_counter.txt"))
     lines = out.splitlines()
     assert rc == 1
-    assert lines[0].startswith("<tokenizers>: tokenizer fingerprints differ")
+    assert lines[0].startswith("<tokenizers>: tokenizer_fingerprint: fingerprints differ")
     assert lines[1].startswith(f"{d('trap_counter.txt')}:1: tokenizer_drift in template: "
                                "first differing token 0 (block 0)")
     assert "0 of 3 full blocks still match" in lines[1]

@@ -461,6 +461,10 @@ def render(sample: Sample, tok: Tokenizer) -> Prompt:
         offset = seen.get(owner, 0)
         field_starts.append(None if base is None else base + offset)
         seen[owner] = offset + len(f.text) + 1  # parts are joined with "\n"
+    for f, start in zip(sample.fields, field_starts):
+        if start is None:
+            warnings.append(f"{sample.source.path}:{sample.line}: {f.path} is not in the rendered "
+                            "prompt verbatim (the chat template changed it); not checked")
     last = sample.messages[-1]
     if sample.kind == "system" or last["role"] == "system" or msg_starts[-1] is None:
         stable_end = len(text)
@@ -683,7 +687,7 @@ def sample_findings(prompts: list[Prompt], block_size: int) -> tuple[list[Findin
             kind="system_prompt_varies", file=other.sample.source.path, line=line, column=col,
             field=path, text=_excerpt(b, at), token=token, block=block, tokens_lost=lost,
             blocks_lost=blocks_lost,
-            message=(f"system prompt differs from line {ref.sample.line}'s at token {token} "
+            message=(f"system_prompt_varies: system prompt differs from line {ref.sample.line}'s at token {token} "
                      f"(block {block}): \"{_excerpt(a, at)}\" vs \"{_excerpt(b, at)}\"; "
                      f"{len(variants)} variants in {len(g)} requests share only {group_shared:,} "
                      f"tokens ({_blocks(group_shared // block_size)}); costs {lost:,} tokens of "
@@ -768,7 +772,7 @@ def check_drift(paths: Sequence[str], tok_a: Tokenizer, tok_b: Tokenizer, block_
             kind="tokenizer_fingerprint", file=None, line=None, column=None, field=None,
             text=f"{tok_a.fingerprint} != {tok_b.fingerprint}", token=0, block=0, tokens_lost=0,
             blocks_lost=0,
-            message=(f"tokenizer fingerprints differ ({tok_a.fingerprint} vs {tok_b.fingerprint}): "
+            message=(f"tokenizer_fingerprint: fingerprints differ ({tok_a.fingerprint} vs {tok_b.fingerprint}): "
                      "hotprefix roots every block hash in the tokenizer fingerprint, so switching "
                      "reuses no cached block, even where the token ids agree"),
             details={"tokenizer_a": tok_a.source, "tokenizer_b": tok_b.source}))
