@@ -1,0 +1,98 @@
+"""Prometheus metrics (``hotprefix_*``), in a registry owned by one app (no global state).
+
+Request-level metrics (latency histograms, token counters) are updated by the server as requests
+finish. Cache and queue metrics are read from the engine's ``cache_stats()`` snapshot, taken in the
+engine thread just before each scrape, and exposed by a custom collector.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _CacheCollector:
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        s = self.stats
+        if not s:
+            return
+        counters = [
+            ("hotprefix_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "queries_tokens"),
+            ("hotprefix_prefix_cache_hits", "Prompt tokens served from the prefix cache.", "hit_tokens"),
+            ("hotprefix_prefix_cache_evictions", "Cached blocks evicted to make room.", "evictions"),
+            ("hotprefix_prefix_cache_written_blocks", "Blocks added to the prefix cache.", "written_blocks"),
+        ]
+        for name, doc, key in counters:
+            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0)))
+        miss = CounterMetricFamily("hotprefix_prefix_cache_miss_tokens",
+                                   "Uncached prompt tokens, by the miss reason of their request.",
+                                   labels=["reason"])
+        for reason, n in sorted((s.get("miss_tokens_by_reason") or {}).items()):
+            miss.add_metric([reason], float(n))
+        yield miss
+        gauges = [
+            ("hotprefix_prefix_cache_hit_rate", "Lifetime share of prompt tokens served from cache.", "hit_rate"),
+            ("hotprefix_prefix_cache_hit_rate_recent", "Hit rate over the recent request window.", "hit_rate_recent"),
+            ("hotprefix_kv_cache_usage_ratio", "Share of KV blocks in use by requests.", "kv_usage"),
+            ("hotprefix_blocks_total", "KV blocks in the pool.", "blocks_total"),
+            ("hotprefix_blocks_in_use", "KV blocks referenced by running requests.", "blocks_in_use"),
+            ("hotprefix_blocks_cached", "KV blocks holding cached prefixes (findable by hash).", "blocks_cached"),
+            ("hotprefix_blocks_pinned", "Cached blocks under a retention pin.", "blocks_pinned"),
+            ("hotprefix_prefix_cache_evictions_per_second", "Evictions per second over the last minute.",
+             "evictions_per_second"),
+            ("hotprefix_num_requests_running", "Requests in the running batch.", "running"),
+            ("hotprefix_num_requests_waiting", "Requests waiting for admission.", "waiting"),
+        ]
+        for name, doc, key in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+
+
+class ServerMetrics:
+    """All of one server's metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram("hotprefix_time_to_first_token_seconds",
+                              "Seconds from arrival to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hotprefix_e2e_request_latency_seconds",
+                             "Seconds from arrival to the last generated token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("hotprefix_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.cached_prompt_tokens = Counter("hotprefix_cached_prompt_tokens",
+                                            "Prompt tokens of finished requests served from cache.",
+                                            registry=r)
+        self.generation_tokens = Counter("hotprefix_generation_tokens", "Generated tokens.", registry=r)
+        self.requests = Counter("hotprefix_requests", "Finished requests by route and finish reason.",
+                                ["route", "finish_reason"], registry=r)
+        self.rejected = Counter("hotprefix_requests_rejected",
+                                "Requests refused before running, by HTTP status.", ["status"], registry=r)
+        self._cache = _CacheCollector()
+        r.register(self._cache)
+
+    def observe_finished(self, route: str, finish_reason: str | None, num_prompt: int,
+                         num_cached: int, num_generated: int, ttft_s: float | None,
+                         e2e_s: float | None) -> None:
+        self.requests.labels(route, finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.cached_prompt_tokens.inc(num_cached)
+        self.generation_tokens.inc(num_generated)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+
+    def render(self, cache_stats: dict[str, Any]) -> bytes:
+        self._cache.stats = cache_stats
+        return generate_latest(self.registry)

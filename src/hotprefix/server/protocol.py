@@ -1,0 +1,175 @@
+"""OpenAI-compatible request/response schemas (pydantic) and the error shape.
+
+Requests are strict (no string-to-number coercion, no NaN/inf) and refuse unknown top-level fields,
+as the OpenAI API does. A few extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``
+and the ``hotprefix`` object (per-request cache retention). Parameters that exist in the OpenAI
+API but that this server does not implement (``n > 1``, ``logprobs``, ``echo``, tools...) are
+accepted only at their neutral value and otherwise refused with a clear message.
+
+Knows nothing about the engine or HTTP routing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TTL_S = 86400.0
+"""Longest retention pin a request may ask for (seconds)."""
+MAX_PRIORITY = 1000
+"""Retention priorities are clamped to [-MAX_PRIORITY, MAX_PRIORITY]."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    """Send a last chunk (empty choices) carrying ``usage``."""
+
+
+class CacheControl(_Strict):
+    """The ``hotprefix`` request extension: how this request's blocks are retained."""
+
+    cache: Literal["none", "default"] | None = None
+    """``none``: read the prefix cache but write nothing to it; ``default``: normal."""
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Retention priority of the blocks this request writes (higher = kept longer)."""
+    ttl_s: float | None = Field(None, ge=0, le=MAX_TTL_S)
+    """Pin the blocks this request writes for this many seconds (0 = no pin)."""
+
+
+class _SamplingFields(_Strict):
+    model: str = Field(..., max_length=512)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=1e6)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    hotprefix: CacheControl | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt (a string or token ids)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: messages through the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class WarmRequest(_Strict):
+    """``POST /v1/cache/warm``: prefill these prompts (one token each) so the next user hits."""
+
+    prompts: list[str | list[int]] | None = Field(None, max_length=256)
+    messages: list[list[ChatMessage]] | None = Field(None, max_length=256)
+    model: str | None = None
+
+
+def unsupported(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str] | None:
+    """(param, message) for the first OpenAI parameter set to a value this server cannot honor."""
+    checks: list[tuple[str, bool]] = [
+        ("n", (req.n or 1) != 1),
+        ("presence_penalty", bool(req.presence_penalty)),
+        ("frequency_penalty", bool(req.frequency_penalty)),
+        ("logit_bias", bool(req.logit_bias)),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [("logprobs", req.logprobs is not None), ("echo", bool(req.echo)),
+                   ("best_of", req.best_of not in (None, 1)), ("suffix", bool(req.suffix))]
+    else:
+        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs)),
+                   ("tools", bool(req.tools)),
+                   ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+                   ("response_format", bool(req.response_format)
+                    and req.response_format.get("type") != "text")]
+    for param, bad in checks:
+        if bad:
+            return param, f"{param} is not supported by this server (use its default)"
+    return None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them (text parts joined)."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, list):
+            content = "".join(p.text for p in m.content)
+        else:
+            content = m.content or ""
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": int(num_cached)}}
