@@ -71,9 +71,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:nd] = o.squeeze(2)
     for p in meta.prefills or ():
         n = p.q_end - p.q_start
-        k = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)  # [nkv, L, hd]
-        v = v_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)
-        qp = q[p.q_start:p.q_end].transpose(0, 1)  # [H, n, hd]
+        # 4-D [1, heads, len, dim] inputs take torch's fused CPU kernel (3-D ones do not)
+        k = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1).unsqueeze(0)
+        v = v_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1).unsqueeze(0)
+        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
         if n == p.context_len:
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
@@ -82,5 +83,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             cols = torch.arange(p.context_len, device=q.device).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=cols <= rows, scale=scale,
                                                enable_gqa=gqa)
-        out[p.q_start:p.q_end] = o.transpose(0, 1)
+        out[p.q_start:p.q_end] = o[0].transpose(0, 1)
     return out
