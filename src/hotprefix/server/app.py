@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -111,14 +112,19 @@ def _bearer(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|json-or-python\[.*\]"
+                       r"|nullable\[.*\]|union\[.*\]|literal\[.*\]|tagged-union\[.*\]|[A-Z]\w*)$")
+
+
 def _param_from_loc(loc: tuple) -> str | None:
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    """``("body", "messages", 0, "role")`` -> ``messages[0].role`` (pydantic's union tags dropped)."""
     out = ""
-    for p in parts:
+    for i, p in enumerate(loc):
+        if i == 0 and p in ("body", "query", "path", "header"):
+            continue
         if isinstance(p, int):
             out += f"[{p}]"
-        elif not str(p).startswith(("function-", "list[", "str", "int", "float", "bool", "dict[",
-                                    "json-or-python", "nullable", "union[", "literal[", "tagged")):
+        elif not _TYPE_TAG.match(str(p)):
             out += ("." if out else "") + str(p)
     return out or None
 
