@@ -1,0 +1,296 @@
+"""Unit tests of the torch-free prefix cache: exact block ids, eviction order, keys, reports."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hotprefix.cache.block_pool import AdmitInfo, BlockPool
+from hotprefix.cache.hashing import BlockHasher, hash_block, namespace_key
+from hotprefix.cache.manager import CacheRequest, KVCacheManager
+
+BS = 4
+NS = namespace_key("model-a", "tok-a")
+
+
+def make(num_blocks=10, policy="lru", enabled=True):
+    pool = BlockPool(num_blocks, BS, policy)
+    return KVCacheManager(pool, BlockHasher(NS, BS), enabled)
+
+
+def req(rid, tokens, salt=None, **kw):
+    return CacheRequest(request_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens), salt=salt, **kw)
+
+
+def run_prefill(m: KVCacheManager, r: CacheRequest) -> list:
+    """Admit a request, compute its whole prompt in one step, register its blocks."""
+    hits = m.lookup(r)
+    m.report(r, hits)
+    n_hit = len(hits) * BS
+    assert m.allocate(r, r.num_prompt_tokens - n_hit, n_hit, hits)
+    m.commit(r, r.num_prompt_tokens)
+    return hits
+
+
+def test_cache_module_imports_no_torch():
+    import subprocess
+    code = ("import sys, hotprefix.cache.manager, hotprefix.cache.eviction, hotprefix.cache.block_pool;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_keys_chain_and_namespace():
+    h = BlockHasher(NS, BS)
+    a = h.keys([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2  # the partial third block has no key
+    b = h.keys([1, 2, 3, 4, 5, 6, 7, 9])
+    assert a[0] == b[0] and a[1] != b[1]
+    other = BlockHasher(namespace_key("model-b", "tok-a"), BS).keys([1, 2, 3, 4])
+    assert other[0] != a[0]
+    tok = BlockHasher(namespace_key("model-a", "tok-b"), BS).keys([1, 2, 3, 4])
+    assert tok[0] != a[0]
+    # the same second block after a different first block has a different key (chained)
+    c = h.keys([9, 9, 9, 9, 5, 6, 7, 8])
+    assert c[1] != a[1]
+
+
+def test_extra_keys_are_type_tagged():
+    p = NS
+    assert hash_block(p, [1, 2], [("salt", "x")]) != hash_block(p, [1, 2], [("adapter", "x")])
+    assert hash_block(p, [1, 2], [("salt", "x")]) != hash_block(p, [1, 2])
+    with pytest.raises(ValueError):
+        hash_block(p, [1, 2], [("bogus", "x")])
+
+
+def test_salt_at_block_zero_and_shared_prefix():
+    h = BlockHasher(NS, BS)
+    toks = list(range(12))
+    a, b = h.keys(toks, salt="A"), h.keys(toks, salt="B")
+    assert all(x != y for x, y in zip(a, b))
+    a2, b2 = h.keys(toks, salt="A", salt_from_block=2), h.keys(toks, salt="B", salt_from_block=2)
+    assert a2[:2] == b2[:2] and a2[2] != b2[2]
+
+
+def test_exact_block_ids_and_hits():
+    m = make(10)
+    r1 = req("r1", range(10))  # 2 full blocks + 2 tokens
+    run_prefill(m, r1)
+    assert m.block_table("r1") == [0, 1, 2]
+    assert m.pool.num_cached == 2  # the partial block is not cached
+    m.free(r1)
+    # LRU order after free: tail first -> [2 is empty], cached 1 then 0
+    assert list(m.pool.empty)[-1] == 2
+    assert m.pool.policy.order() == [1, 0]
+
+    r2 = req("r2", list(range(8)) + [99, 98, 97])
+    hits = run_prefill(m, r2)
+    assert [b.block_id for b in hits] == [0, 1]
+    assert r2.cache_report["cached_tokens"] == 8 and r2.cache_report["miss_reason"] == "hit"
+    assert m.block_table("r2") == [0, 1, 3]
+    m.free(r2)
+    m.pool.check_invariants()
+
+
+def test_last_token_always_computed():
+    m = make(10)
+    r1 = req("r1", range(8))
+    run_prefill(m, r1)
+    m.free(r1)
+    r2 = req("r2", range(8))  # identical, exactly 2 blocks
+    hits = run_prefill(m, r2)
+    assert len(hits) == 1  # 7 tokens max from cache -> 1 full block
+    assert r2.cache_report["cached_tokens"] == 4 and r2.cache_report["computed_tokens"] == 4
+    assert r2.cache_report["miss_reason"] == "hit"  # everything cacheable hit
+    m.free(r2)
+
+
+def test_eviction_order_lru_tail_first():
+    m = make(4)
+    ra = req("a", range(100, 108))  # blocks 0,1
+    run_prefill(m, ra)
+    m.free(ra)
+    rb = req("b", range(200, 208))  # blocks 2,3
+    run_prefill(m, rb)
+    m.free(rb)
+    assert m.pool.policy.order() == [1, 0, 3, 2]
+    rc = req("c", range(300, 307))  # needs 2 blocks: evicts a's tail (1) then a's root (0)
+    run_prefill(m, rc)
+    assert m.block_table("c") == [1, 0]
+    assert m.pool.num_evictions == 2
+    assert m.pool.was_evicted(ra.block_keys[0]) and m.pool.was_evicted(ra.block_keys[1])
+    m.free(rc)
+    # a's blocks are gone: a miss reported as evicted
+    ra2 = req("a2", range(100, 108))
+    run_prefill(m, ra2)
+    assert ra2.cache_report["miss_reason"] == "evicted"
+    m.free(ra2)
+    m.pool.check_invariants()
+
+
+def test_hit_block_leaves_free_queue_and_returns_to_tail():
+    m = make(6)
+    r1 = req("r1", range(8))
+    run_prefill(m, r1)
+    m.free(r1)
+    r2 = req("r2", range(20, 28))
+    run_prefill(m, r2)
+    m.free(r2)
+    assert m.pool.policy.order() == [1, 0, 3, 2]
+    r3 = req("r3", list(range(4)) + [50, 51, 52, 53, 54])
+    run_prefill(m, r3)  # hits block 0 of r1
+    assert m.pool.policy.order() == [1, 3, 2]
+    m.free(r3)
+    assert m.pool.policy.order()[-1] == 0  # freed again: most recent, after its new sibling (tail first)
+
+
+def test_allocate_fails_atomically():
+    m = make(3)
+    r1 = req("r1", range(8))
+    run_prefill(m, r1)  # holds 2 blocks
+    r2 = req("r2", range(50, 62))  # needs 3
+    assert not m.allocate(r2, 12, 0)
+    assert m.num_blocks_held("r2") == 0 and m.pool.num_in_use == 2
+    m.free(r1)
+    assert m.allocate(r2, 12, 0)
+    m.free(r2)
+    m.pool.check_invariants()
+    assert m.pool.num_in_use == 0
+
+
+def test_hash_collision_is_a_miss():
+    m = make(6)
+    r1 = req("r1", range(9))
+    run_prefill(m, r1)
+    m.free(r1)
+    # forge: same key, different tokens -> lookup compares tokens and misses
+    forged = req("r2", [7, 7, 7, 7, 1])
+    forged.block_keys = [r1.block_keys[0]]
+    assert m.lookup(forged) == []
+
+
+def test_reset_keeps_in_use_blocks():
+    m = make(8)
+    r1 = req("r1", range(9))
+    run_prefill(m, r1)
+    r2 = req("r2", range(50, 59))
+    run_prefill(m, r2)
+    m.free(r2)
+    out = m.reset()
+    assert out == {"dropped_blocks": 2, "in_use_blocks_kept": 2}
+    assert m.pool.num_cached == 2
+    m.free(r1)
+    m.pool.check_invariants()
+
+
+def test_decode_blocks_registered_for_multiturn():
+    m = make(10)
+    r1 = req("r1", range(6))
+    run_prefill(m, r1)
+    for t in range(100, 104):  # decode 4 tokens: the sequence reaches 10 tokens
+        r1.token_ids.append(t)
+        m.allocate(r1, 1, len(r1.token_ids) - 1)
+        m.commit(r1, len(r1.token_ids))
+    m.free(r1)
+    assert m.pool.num_cached == 2  # 10 tokens -> 2 full blocks, the second holds answer tokens
+    turn2 = req("t2", r1.token_ids + [7, 7, 7])
+    hits = run_prefill(m, turn2)
+    assert len(hits) == 2
+
+
+def test_inflight_sharing_owner():
+    m = make(10)
+    a = req("a", range(12))
+    hits = m.lookup(a)
+    m.report(a, hits)
+    assert m.allocate(a, 4, 0)  # first chunk only
+    b = req("b", list(range(12)) + [5])
+    assert m.inflight_owner(b, len(m.lookup(b))) == "a"
+    m.commit(a, 4)
+    assert len(m.lookup(b)) == 1  # block 0 is now cached
+    assert m.inflight_owner(b, 1) == "a"  # block 1 still being computed by a
+    m.free(a)
+    assert m.inflight_owner(b, 1) is None  # a gone: nothing pending
+
+
+def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
+    from hotprefix.cache.ledger import ContentLedger
+
+    path = str(tmp_path / "ledger.txt")
+    m = KVCacheManager(BlockPool(20, BS), BlockHasher(NS, BS), True, ledger=ContentLedger(path))
+    base = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    run_prefill(m, r := req("a", base, salt="t1"))
+    m.free(r)
+    d = req("d", base[:5] + [99] + base[6:], salt="t1")
+    run_prefill(m, d)
+    assert d.cache_report["miss_reason"] == "diverged"
+    assert d.cache_report["miss_position"] == 5
+    assert d.cache_report["detail"]["block_index"] == 1
+    m.free(d)
+    s = req("s", base, salt="t2")
+    run_prefill(m, s)
+    assert s.cache_report["miss_reason"] == "salt" and s.cache_report["cached_tokens"] == 0
+    m.free(s)
+    short = req("x", [1, 2, 3])
+    run_prefill(m, short)
+    assert short.cache_report["miss_reason"] == "too_short"
+    m.ledger.flush()
+    # a "restart" under another namespace with the same ledger file
+    m2 = KVCacheManager(BlockPool(20, BS), BlockHasher(namespace_key("model-a", "tok-NEW"), BS), True,
+                        ledger=ContentLedger(path))
+    n = req("n", base, salt="t1")
+    run_prefill(m2, n)
+    assert n.cache_report["miss_reason"] == "namespace"
+    cold = req("c", [5] * 11)
+    run_prefill(m2, cold)
+    assert cold.cache_report["miss_reason"] == "cold"
+
+
+def test_stats_counts():
+    m = make(10)
+    run_prefill(m, r := req("a", range(9)))
+    m.free(r)
+    run_prefill(m, r := req("b", range(9)))
+    m.free(r)
+    s = m.snapshot()
+    assert s["queries_tokens"] == 18 and s["hit_tokens"] == 8
+    assert s["hit_rate"] == pytest.approx(8 / 18)
+    assert s["blocks_in_use"] == 0 and s["blocks_cached"] == 2 and s["written_blocks"] == 2
+    assert s["miss_tokens_by_reason"] == {"cold": 9, "hit": 1}
+
+
+def test_pins_block_eviction_until_expiry():
+    now = [0.0]
+    pool = BlockPool(4, BS, clock=lambda: now[0])
+    m = KVCacheManager(pool, BlockHasher(NS, BS))
+    sysp = req("sys", range(9), pin_ttl_s=10.0)
+    run_prefill(m, sysp)
+    m.free(sysp)
+    assert pool.num_pinned_blocks == 2 and pool.num_free == 2  # 1 empty + partial block freed
+    other = req("o", range(50, 62))  # needs 3 blocks, only 2 evictable/empty
+    assert not m.allocate(other, 12, 0)
+    now[0] = 11.0  # the pin expires: blocks become ordinary cached blocks
+    assert pool.num_free == 4
+    assert m.allocate(other, 12, 0)
+    pool.check_invariants()
+
+
+def test_admit_info_and_disabled_cache():
+    m = make(6, enabled=False)
+    r1 = req("a", range(9))
+    run_prefill(m, r1)
+    m.free(r1)
+    assert m.pool.num_cached == 0
+    r2 = req("b", range(9))
+    assert m.lookup(r2) == []
+    info = AdmitInfo(depth=0, request_num_blocks=1, request_hit_blocks=0, parent=None)
+    assert info.depth == 0
+
+
+def test_cache_write_false_writes_nothing():
+    m = make(6)
+    r = req("a", range(9), cache_write=False)
+    run_prefill(m, r)
+    m.free(r)
+    assert m.pool.num_cached == 0 and r.cache_report["written_blocks"] == 0

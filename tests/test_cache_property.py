@@ -1,0 +1,130 @@
+"""Property test: random sequences of admit / append / free / reset on the real cache code keep
+every invariant after each step, and when every request has ended no block is in use."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.eviction import POLICIES
+from hotprefix.cache.hashing import BlockHasher, namespace_key
+from hotprefix.cache.manager import CacheRequest, KVCacheManager
+
+BS = 4
+VOCAB = 3  # tiny vocabulary so prefixes collide often
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.manager: KVCacheManager | None = None
+        self.live: dict[str, tuple[CacheRequest, int]] = {}  # id -> (req, num_computed)
+        self.n = 0
+
+    @rule(num_blocks=st.integers(4, 24), policy=st.sampled_from(sorted(POLICIES)))
+    @precondition(lambda self: self.manager is None)
+    def setup(self, num_blocks, policy):
+        pool = BlockPool(num_blocks, BS, policy, ghost_size=16)
+        self.manager = KVCacheManager(pool, BlockHasher(namespace_key("m", "t"), BS))
+
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+          salt=st.sampled_from([None, "a"]))
+    @precondition(lambda self: self.manager is not None)
+    def admit(self, tokens, salt):
+        m = self.manager
+        self.n += 1
+        r = CacheRequest(f"r{self.n}", list(tokens), len(tokens), salt=salt)
+        hits = m.lookup(r)
+        assert len(hits) * BS <= len(tokens) - 1, "more than prompt-1 tokens from cache"
+        for i, b in enumerate(hits):
+            assert b.token_ids == tuple(tokens[i * BS:(i + 1) * BS]), "hit with different tokens"
+        n_hit = len(hits) * BS
+        if m.allocate(r, len(tokens) - n_hit, n_hit, hits):
+            m.report(r, hits)
+            m.commit(r, len(tokens))
+            self.live[r.request_id] = (r, len(tokens))
+        else:
+            assert m.num_blocks_held(r.request_id) == 0, "failed allocation took blocks"
+
+    @rule(data=st.data(), tok=st.integers(0, VOCAB - 1))
+    @precondition(lambda self: self.live)
+    def append(self, data, tok):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r, n = self.live[rid]
+        r.token_ids.append(tok)
+        if self.manager.allocate(r, 1, n):
+            self.manager.commit(r, n + 1)
+            self.live[rid] = (r, n + 1)
+        else:
+            r.token_ids.pop()
+        assert self.manager.num_blocks_held(rid) == math.ceil(self.live[rid][1] / BS)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live)
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r, _ = self.live.pop(rid)
+        self.manager.free(r)
+
+    @rule()
+    @precondition(lambda self: self.manager is not None)
+    def reset(self):
+        in_use = sum(1 for b in self.manager.pool.blocks if b.ref_cnt > 0 and b.key is not None)
+        out = self.manager.reset()
+        assert out["in_use_blocks_kept"] == in_use
+        assert all(b.ref_cnt > 0 for b in self.manager.pool.index.values())
+
+    @rule()
+    @precondition(lambda self: self.manager is not None)
+    def finish_all(self):
+        for r, _ in self.live.values():
+            self.manager.free(r)
+        self.live.clear()
+        assert self.manager.pool.num_in_use == 0, "a block is still in use after every request ended"
+        assert all(b.ref_cnt == 0 for b in self.manager.pool.blocks)
+
+    @invariant()
+    def pool_invariants(self):
+        if self.manager is None:
+            return
+        pool = self.manager.pool
+        pool.check_invariants()
+        held = sum(self.manager.num_blocks_held(rid) for rid in self.live)
+        refs = sum(b.ref_cnt for b in pool.blocks)
+        assert held == refs, f"block tables hold {held} refs, pool counts {refs}"
+        for key, blk in pool.index.items():
+            assert blk.key == key and blk.token_ids is not None and len(blk.token_ids) == BS
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=15))
+@settings(max_examples=100, deadline=None)
+def test_cached_tokens_equal_longest_common_full_block_prefix(prompts):
+    """With a pool large enough to never evict, the hit length is the longest common full-block
+    prefix with any earlier prompt (capped at len-1)."""
+    m = KVCacheManager(BlockPool(400, BS), BlockHasher(namespace_key("m", "t"), BS))
+    seen: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        r = CacheRequest(f"r{i}", list(p), len(p))
+        hits = m.lookup(r)
+        expect = 0
+        for q in seen:
+            c = 0
+            while c < min(len(p), len(q)) and p[c] == q[c]:
+                c += 1
+            expect = max(expect, min(c, len(q), len(p) - 1) // BS)
+        assert len(hits) == expect
+        n = len(hits) * BS
+        assert m.allocate(r, len(p) - n, n, hits)
+        m.commit(r, len(p))
+        m.free(r)
+        seen.append(p)
+    assert m.pool.num_in_use == 0
