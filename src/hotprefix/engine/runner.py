@@ -164,7 +164,7 @@ class ModelRunner:
                 owners.append(c)
         meta.slot_mapping = torch.tensor(slots, device=dev)
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                    self.kv_caches, meta, torch.tensor(logit_rows, device=dev))
+                                    self.kv_caches, meta, torch.tensor(logit_rows, dtype=torch.long, device=dev))
         return logits, owners
 
     def _run_tiled(self, chunks, block_tables):
