@@ -292,3 +292,26 @@ def test_queue_full_gets_503_with_retry_after(tiny_model_dir):
         assert asyncio.run(scenario())
         assert wait_idle(s.url)["blocks_in_use"] == 0
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_failed_engine_step_fails_only_its_requests(tiny_model_dir):
+    with LiveServer(tiny_config(tiny_model_dir)) as s:
+        engine = s.state.engine
+        real_step = engine.step
+        calls = {"n": 0}
+
+        def flaky_step():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure")
+            return real_step()
+
+        engine.step = flaky_step
+        body = {"model": s.model, "prompt": "Hello there", "max_tokens": 2, "temperature": 0}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert_error(r, 500)
+        assert r.json()["error"]["code"] == "engine_error"
+        assert s.state.aengine.num_step_errors == 1
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert wait_idle(s.url)["blocks_in_use"] == 0

@@ -135,12 +135,12 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.submit(fn))
 
     async def add_request(self, prompt: list[int], params: SamplingParams, request_id: str,
-                          **options: Any) -> RequestStream:
+                          user_data: Any = None, **options: Any) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream.
 
         ``options`` go to ``LLMEngine.add_request`` (cache_salt, salt_from_block, cache_write,
-        priority, pin_ttl_s). Raises QueueFull, or what ``add_request`` raises (RequestRejected,
-        SamplingError, ValueError).
+        priority, pin_ttl_s); ``user_data`` is stored on the Request before it can run.
+        Raises QueueFull, or what ``add_request`` raises (RequestRejected, SamplingError, ValueError).
         """
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -150,6 +150,7 @@ class AsyncEngine:
                 raise QueueFull(f"{len(engine.scheduler.waiting)} requests are waiting "
                                 f"(max_waiting={self.max_waiting})")
             req = engine.add_request(prompt, params, request_id=request_id, **options)
+            req.user_data = user_data
             self._streams[req.request_id] = _Stream(loop, q, req)
             return req
 

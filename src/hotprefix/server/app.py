@@ -53,11 +53,10 @@ DISCONNECT_POLL_S = 0.5
 class ServerState:
     """What the route handlers share: the engine front, tenants, metrics, names."""
 
-    def __init__(self, engine: LLMEngine, server_config: ServerConfig):
+    def __init__(self, engine: LLMEngine, server_config: ServerConfig, tenants: TenantRegistry):
         self.engine = engine
         self.config = server_config
-        self.tenants = TenantRegistry.from_file(server_config.api_keys, server_config.admin_key,
-                                                server_config.shared_prefix_tokens)
+        self.tenants = tenants
         self.metrics = ServerMetrics()
         self.block_size = engine.block_size
         self.max_model_len = engine.max_model_len
@@ -167,8 +166,11 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         ConfigError: the API key file is unreadable or invalid.
     """
     server_config = server_config or ServerConfig()
+    # the key file is checked before the model loads, so a typo fails fast
+    tenants = TenantRegistry.from_file(server_config.api_keys, server_config.admin_key,
+                                       server_config.shared_prefix_tokens)
     engine = engine or LLMEngine(engine_config)
-    state = ServerState(engine, server_config)
+    state = ServerState(engine, server_config, tenants)
     state.aengine.start()
 
     @asynccontextmanager
@@ -183,12 +185,12 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     # ------------------------------------------------------------------ errors
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError):
-        if exc.status >= 500 or exc.status == 503:
-            state.metrics.rejected.labels(str(exc.status)).inc()
+        state.metrics.rejected.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        state.metrics.rejected.labels("400").inc()
         errors = exc.errors()
         err = errors[0] if errors else {}
         param = _param_from_loc(tuple(err.get("loc", ())))
@@ -262,9 +264,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     async def submit(prompt: list[int], params: SamplingParams, rid: str, tenant: Tenant,
                      ctl: P.CacheControl | None, prompt_param: str) -> RequestStream:
         try:
-            stream = await state.aengine.add_request(prompt, params, rid, **engine_options(tenant, ctl))
+            stream = await state.aengine.add_request(prompt, params, rid, user_data=tenant.tag,
+                                                     **engine_options(tenant, ctl))
         except QueueFull as e:
-            state.metrics.rejected.labels("503").inc()
             raise P.APIError(503, f"The server is overloaded: {e}. Retry later.", type="server_error",
                              code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStopped as e:
@@ -277,7 +279,6 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             raise P.APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise P.APIError(400, str(e), param=prompt_param) from None
-        stream.request.user_data = tenant.tag
         return stream
 
     async def completion_prompt(body: P.CompletionRequest) -> list[int]:
