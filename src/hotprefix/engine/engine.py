@@ -20,6 +20,7 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.config import EngineConfig
+from hotprefix.diagnose import explain
 from hotprefix.engine.request import Request, Status
 from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
@@ -149,6 +150,8 @@ class LLMEngine:
     def _postprocess(self, req: Request, now: float) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = now
+            if req.cache_report is not None:
+                explain(req.cache_report, self.tokenizer)
         req.token_times.append(now)
         tok = req.token_ids[-1]
         p = req.params

@@ -1,0 +1,53 @@
+"""Turns a cache report's token ids into words: excerpts of what was sent vs what the cache holds
+at the point of divergence, and a guess at the cause (timestamp, date, UUID, id, counter...).
+
+Uses the linter's volatile-content detectors, so the runtime report and ``hotprefix lint`` name
+causes the same way. Knows the tokenizer; knows nothing about blocks or tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hotprefix.lint import find_volatile
+from hotprefix.tokenizer import Tokenizer
+
+
+def explain(report: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+    """Add human-readable excerpts (and a cause guess) to a ``diverged`` report, in place.
+
+    Token ids are dropped from the detail once decoded: the report carries text only.
+    """
+    detail = report.get("detail") or {}
+    if report.get("miss_reason") != "diverged" or "sent_token_ids" not in detail:
+        return report
+    ctx = detail.pop("context_token_ids", [])
+    sent_ids = detail.pop("sent_token_ids", [])
+    cached_ids = detail.pop("cached_token_ids", [])
+    ctx_text = tokenizer.decode(ctx, skip_special_tokens=False)
+    sent = tokenizer.decode(ctx + sent_ids, skip_special_tokens=False)
+    cached = tokenizer.decode(ctx + cached_ids, skip_special_tokens=False)
+    detail["sent_excerpt"] = sent
+    detail["cached_excerpt"] = cached
+    at = len(ctx_text)
+    guess = None
+    for text in (sent, cached):
+        for m in find_volatile(text):
+            if m.start <= at + 1 and m.end >= at:
+                guess = m.kind
+                break
+        if guess:
+            break
+    if guess is None:
+        # the differing run of characters itself: digits-only looks like a counter or random number
+        i = 0
+        while i < min(len(sent), len(cached)) and sent[i] == cached[i]:
+            i += 1
+        a, b = sent[i:i + 8], cached[i:i + 8]
+        if a[:1].isdigit() and b[:1].isdigit():
+            guess = "number"
+    detail["likely_cause"] = guess
+    if guess:
+        detail["hint"] = (f"the prompt differs from the cached one at a {guess.replace('_', ' ')}; "
+                          "move volatile values after the stable part of the prompt")
+    return report
