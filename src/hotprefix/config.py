@@ -83,6 +83,10 @@ class CacheConfig:
     pickle; faster, but collisions can be forged, so never use it with several tenants)."""
     eviction_policy: str = "lru"
     """Which free cached block to evict first (see ``hotprefix.cache.eviction.POLICIES``)."""
+    admission_tail_tokens: int | None = None
+    """Admission rule for long prompts: blocks past this many prompt tokens are cached only when
+    the prompt's first ``admission_tail_tokens`` tokens were seen before (keeps single-use long
+    documents from flushing the pool); None = cache every block."""
     ghost_size: int = 65536
     """How many recently evicted block keys to remember, to report ``evicted`` misses."""
     stats_window: int = 1000
@@ -171,6 +175,8 @@ class EngineConfig:
             raise ConfigError(f"memory_utilization must be in (0, 1], got {c.memory_utilization}")
         if c.num_blocks is not None and c.num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2, got {c.num_blocks}")
+        if c.admission_tail_tokens is not None and c.admission_tail_tokens < c.block_size:
+            raise ConfigError(f"admission_tail_tokens must be >= block_size, got {c.admission_tail_tokens}")
         if c.hash_algo not in ("sha256", "fast"):
             raise ConfigError(f"hash_algo must be 'sha256' or 'fast', got {c.hash_algo!r}")
         if s.max_num_seqs < 1:

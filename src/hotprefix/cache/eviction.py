@@ -12,6 +12,8 @@ Imports no torch.
 
 from __future__ import annotations
 
+import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar
@@ -68,6 +70,9 @@ class EvictionPolicy(ABC):
         """The block left the evictable set without being chosen (cache reset)."""
         self.on_use(block)
 
+    def on_request(self) -> None:
+        """A request was admitted (its first allocation); policies may use it as a clock."""
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable blocks."""
@@ -99,3 +104,118 @@ class LRUPolicy(EvictionPolicy):
     def order(self) -> list[int]:
         """Block ids in eviction order (first = next victim); for tests and debugging."""
         return list(self._queue)
+
+
+@register
+class FreqCreditPolicy(EvictionPolicy):
+    """Recency plus a log-frequency credit, with a bounded memory of evicted keys' counts.
+
+    When a block becomes evictable it gets the fixed priority
+    ``t_free + credit_requests * (log2(count) + priority)`` and the smallest priority is evicted
+    first (ties: deeper block first, then the earlier free). ``t`` is a request counter
+    (``on_request``), ``count`` the number of distinct requests that referenced the block's key, and
+    ``priority`` the block's retention priority (each level is worth one doubling of the count).
+
+    * Scan-resistant: a block seen k times keeps a lead of ``credit_requests * log2(k)`` requests
+      over single-use blocks, so a burst of one-off long documents cannot flush a shared system
+      prompt, while a prefix whose uses stopped still ages out (the credit is added to the last
+      free time, not accumulated).
+    * Tree-aware: a request that references a block also references all its ancestors, so a parent's
+      count and last free time are never below its child's and its depth is smaller: descendants
+      are always evicted before their ancestors, and no cached block is stranded behind an evicted
+      parent.
+    * A FIFO history of ``history_mult * num_blocks`` evicted keys remembers their counts, so a
+      prefix that comes back after an eviction is not treated as new (a ghost list; a count-min
+      sketch would be a cheaper substitute at very large pools).
+    """
+
+    name = "freq"
+    credit_requests: ClassVar[float] = 1000.0
+    """Credit, in requests, per doubling of a block's reference count."""
+    history_mult: ClassVar[int] = 8
+    """Evicted keys remembered, as a multiple of the pool's block count."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        self.now = 0
+        self._count = [0] * num_blocks       # per block id: requests that referenced the key
+        self._last = [-1] * num_blocks       # request counter at the last count increment
+        self._ver = [0] * num_blocks         # version of the block's valid heap entry
+        self._live = [False] * num_blocks    # in the evictable set
+        self._num_live = 0
+        self._block: list["KVBlock | None"] = [None] * num_blocks
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._history: OrderedDict[bytes, int] = OrderedDict()
+        self._history_size = self.history_mult * num_blocks
+
+    def on_request(self) -> None:
+        self.now += 1
+
+    def on_cached(self, block: "KVBlock", info: "AdmitInfo") -> None:
+        bid = block.block_id
+        self._count[bid] = self._history.pop(block.key, 0) + 1
+        self._last[bid] = self.now
+
+    def on_hit(self, block: "KVBlock") -> None:
+        bid = block.block_id
+        if self._last[bid] != self.now:
+            self._count[bid] += 1
+            self._last[bid] = self.now
+
+    def on_free(self, block: "KVBlock") -> None:
+        bid = block.block_id
+        v = self._ver[bid] + 1
+        self._ver[bid] = v
+        if not self._live[bid]:
+            self._live[bid] = True
+            self._num_live += 1
+            self._block[bid] = block
+        credit = self.credit_requests * (math.log2(self._count[bid] or 1) + block.priority)
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now + credit, -block.depth, self._seq, bid, v))
+        if len(self._heap) > 4 * self._num_live + 1024:
+            self._compact()
+
+    def on_use(self, block: "KVBlock") -> None:
+        bid = block.block_id
+        self._ver[bid] += 1
+        if self._live[bid]:
+            self._live[bid] = False
+            self._num_live -= 1
+            self._block[bid] = None
+
+    def evict(self) -> "KVBlock":
+        heap, ver = self._heap, self._ver
+        while True:
+            _, _, _, bid, v = heapq.heappop(heap)
+            if ver[bid] == v and self._live[bid]:
+                break
+        self._ver[bid] = v + 1
+        self._live[bid] = False
+        self._num_live -= 1
+        block = self._block[bid]
+        assert block is not None
+        self._block[bid] = None
+        if self._history_size and block.key is not None:
+            self._history[block.key] = self._count[bid]
+            if len(self._history) > self._history_size:
+                self._history.popitem(last=False)
+        return block
+
+    def on_removed(self, block: "KVBlock") -> None:
+        self.on_use(block)
+        self._block[block.block_id] = None
+
+    def _compact(self) -> None:
+        ver, live = self._ver, self._live
+        self._heap = [e for e in self._heap if live[e[3]] and ver[e[3]] == e[4]]
+        heapq.heapify(self._heap)
+
+    def order(self) -> list[int]:
+        """Block ids in eviction order (first = next victim); for tests and debugging."""
+        ver, live = self._ver, self._live
+        return [e[3] for e in sorted(self._heap) if live[e[3]] and ver[e[3]] == e[4]]
+
+    def __len__(self) -> int:
+        return self._num_live
