@@ -257,7 +257,8 @@ def test_stats_counts():
     assert s["queries_tokens"] == 18 and s["hit_tokens"] == 8
     assert s["hit_rate"] == pytest.approx(8 / 18)
     assert s["blocks_in_use"] == 0 and s["blocks_cached"] == 2 and s["written_blocks"] == 2
-    assert s["miss_tokens_by_reason"] == {"cold": 9, "hit": 1}
+    assert s["miss_tokens_by_reason"] == {"cold": 9}
+    assert s["requests_by_reason"] == {"cold": 1, "hit": 1}
 
 
 def test_pins_block_eviction_until_expiry():

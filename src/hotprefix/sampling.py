@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
+
+MIN_TEMPERATURE = 1e-5
 
 
 class SamplingError(ValueError):
@@ -55,6 +59,10 @@ class SamplingParams:
 
         num("temperature", self.temperature)
         num("top_p", self.top_p)
+        if math.isnan(self.temperature) or math.isinf(self.temperature):
+            raise SamplingError(f"temperature must be a finite number, got {self.temperature}", "temperature")
+        if math.isnan(self.top_p):
+            raise SamplingError("top_p must be a number in (0, 1], got nan", "top_p")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise SamplingError(f"max_tokens must be an integer, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens < 1:
@@ -65,8 +73,9 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0 or self.top_k < -1:
             raise SamplingError(f"top_k must be -1 (all) or >= 1, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise SamplingError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise SamplingError(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise SamplingError("stop must be a non-empty string or a list of them", "stop")
@@ -76,7 +85,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this small are greedy: dividing logits by them overflows."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -84,7 +94,7 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
         return None
     g = torch.Generator()
     if params.seed is not None:
-        g.manual_seed(params.seed)
+        g.manual_seed(params.seed % 2**64)
     else:
         g.seed()
     return g

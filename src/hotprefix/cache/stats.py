@@ -35,7 +35,7 @@ class CacheStats:
         self.hit_tokens += hit
         self.num_requests += 1
         self.requests_by_reason[reason] += 1
-        if missed_tokens:
+        if missed_tokens and reason != "hit":  # after a full hit the rest was never cacheable
             self.miss_tokens_by_reason[reason] += missed_tokens
         self.recent.append((queried, hit))
         while len(self.recent) > self.window:
