@@ -1,0 +1,46 @@
+"""``hotprefix warm FILE`` against a live server: the system prompt is prefilled, the first user hits."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from hotprefix.config import EngineConfig
+from hotprefix.warm import main as warm_main
+from test_server_support import LONG_SYSTEM, LiveServer
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir):
+    with LiveServer(EngineConfig.from_options(model=tiny_model_dir, num_blocks=256)) as s:
+        yield s
+
+
+def test_warm_file_then_first_user_hits(srv, tmp_path, capsys):
+    f = tmp_path / "system.txt"
+    f.write_text("WARM-CLI " + LONG_SYSTEM)
+    assert warm_main([str(f), "--url", srv.url]) == 0
+    printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(printed) == 1 and printed[0]["written_blocks"] > 10
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "model": srv.model, "max_tokens": 2,
+        "messages": [{"role": "system", "content": "WARM-CLI " + LONG_SYSTEM},
+                     {"role": "user", "content": "hello"}]})
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (printed[0]["written_blocks"] - 1) * 16
+
+
+def test_warm_jsonl_and_usage_errors(srv, tmp_path, capsys):
+    f = tmp_path / "convs.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "system", "content": "one " * 50}]}) + "\n"
+                 + json.dumps({"prompt": "two " * 50}) + "\n")
+    assert warm_main([str(f), "--url", srv.url]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert warm_main([str(bad), "--url", srv.url]) == 2
+    assert "invalid JSON" in capsys.readouterr().err
+    assert warm_main([str(tmp_path / "missing.txt"), "--url", srv.url]) == 2
+    assert warm_main([str(f), "--url", "http://127.0.0.1:9"]) == 1
