@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -325,11 +326,12 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
         hits = mgr.lookup(creq)
         h = len(hits)
         n_tokens = r.num_tokens
-        free = pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        free = pool.num_free - sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in pool.pinned)
         if math.ceil(n_tokens / bs) - h > free:  # larger than the pool: write what fits
             n_tokens = (h + free) * bs
             res.truncated_requests += 1
-        mgr.allocate(creq, n_tokens - h * bs, h * bs, hits)
+        if not mgr.allocate(creq, n_tokens - h * bs, h * bs, hits):
+            raise RuntimeError(f"request {i}: the pool refused {n_tokens} tokens")
         mgr.commit(creq, n_tokens)
         mgr.free(creq)
         res.num_requests += 1
@@ -404,23 +406,35 @@ def lru_stack_hits(reqs: Sequence[TraceRequest], block_size: int,
     Exact for capacities no smaller than the largest request and for traces without retention
     controls; ``sweep`` checks it against a full replay."""
     keys = keys if keys is not None else request_keys(reqs, block_size)
-    total = sum(len(k) for k in keys)
+    total = sum(math.ceil(r.num_tokens / block_size) for r in reqs) + sum(len(k) for k in keys)
     fw = _Fenwick(total + 1)
     stamp: dict[BlockKey, int] = {}
     hist: dict[int, int] = {}
+    phantoms: deque[int] = deque()  # empty slots left by partial blocks, reused first
     t = 0
     live = 0
     for r, ks in zip(reqs, keys):
         lim = _lookup_limit(r, len(ks), block_size)
         run = 0
+        h = 0
         for j in range(lim):
             s = stamp.get(ks[j])
             if s is None:
                 break
-            d = live - fw.prefix(s)  # keys at least as recent as this one
+            d = live - fw.prefix(s)  # slots at least as recent as this key's
             run = max(run, d)
             hist[run] = hist.get(run, 0) + 1
+            h += 1
+        n_alloc = math.ceil(r.num_tokens / block_size)
+        for _ in range(min(len(phantoms), n_alloc - h)):  # new blocks take the empty slots first
+            fw.add(phantoms.popleft(), -1)
+            live -= 1
         m = min(len(ks), r.num_tokens // block_size)
+        for _ in range(n_alloc - m):  # the partial block: its slot ends up empty, its victim gone
+            fw.add(t, 1)
+            phantoms.append(t)
+            live += 1
+            t += 1
         for j in range(m - 1, -1, -1):  # freed tail first: block 0 ends up the most recent
             k = ks[j]
             s = stamp.get(k)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from hotprefix.cache.stats import CacheStats
 log = logging.getLogger(__name__)
 
 CONTENT_ROOT = BlockKey(b"hotprefix/content-root")
-EXCERPT_TOKENS = 12
+EXCERPT_TOKENS = 24
 
 
 @dataclass(eq=False)
@@ -68,14 +69,20 @@ class _ReqState:
     num_hit_blocks: int = 0
     write_stopped: bool = False
     pending: list[BlockKey] = field(default_factory=list)
+    tail_ok: bool | None = None  # admission_tail_tokens: the prompt's head was seen before
 
 
 class KVCacheManager:
     """Block tables, prefix lookup, block registration and the cache's statistics."""
 
     def __init__(self, pool: BlockPool, hasher: BlockHasher, enable_prefix_caching: bool = True,
-                 stats_window: int = 1000, ledger: ContentLedger | None = None):
+                 stats_window: int = 1000, ledger: ContentLedger | None = None,
+                 admission_tail_tokens: int | None = None):
         self.pool = pool
+        # Blocks past this many prompt tokens are written only when the prompt's first
+        # ``admission_tail_tokens`` tokens were seen before (None = write every block).
+        self.admission_tail_tokens = admission_tail_tokens
+        self._seen_heads: OrderedDict[BlockKey, None] = OrderedDict()  # for admission_tail_tokens
         self.hasher = hasher
         self.block_size = pool.block_size
         self.enabled = enable_prefix_caching
@@ -134,7 +141,8 @@ class KVCacheManager:
         st = self._reqs.get(req.request_id)
         held = len(st.blocks) if st else 0
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - held - len(hits)
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        # hits that are evictable now (a pinned free block is not counted in num_free)
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in self.pool.pinned)
         return need <= self.pool.num_free - evictable_hits
 
     def allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
@@ -150,6 +158,7 @@ class KVCacheManager:
         first = st is None
         if first:
             st = self._reqs[req.request_id] = _ReqState()
+            self.pool.policy.on_request()
         if hits:
             self.pool.touch(hits)
             st.blocks.extend(hits)
@@ -178,6 +187,7 @@ class KVCacheManager:
             return
         keys = self.keys(req)
         bs = self.block_size
+        tail_from = self._tail_block(req, keys, st) if self.admission_tail_tokens is not None else None
         for i in range(st.num_committed, min(n_full, len(keys), len(st.blocks))):
             blk = st.blocks[i]
             key = keys[i]
@@ -187,10 +197,13 @@ class KVCacheManager:
                 continue
             if key in self.pool.index:
                 continue  # computed twice (e.g. both requests started together): keep one copy
+            if tail_from is not None and i >= tail_from:
+                st.write_stopped = True  # the tail of a long prompt whose head is new: not written
+                continue
             toks = req.token_ids[i * bs:(i + 1) * bs] if not req.keys_given else ()
             info = AdmitInfo(depth=i, request_num_blocks=req.num_prompt_tokens // bs,
                              request_hit_blocks=st.num_hit_blocks,
-                             parent=keys[i - 1] if i else None,
+                             parent=keys[i - 1] if i else self.hasher.namespace,
                              parent_seen=i > 0 and i <= st.num_hit_blocks,
                              priority=req.priority,
                              salt=req.salt if i == req.salt_from_block else None)
@@ -205,6 +218,27 @@ class KVCacheManager:
             if not req.keys_given:
                 self._record_content(req, i)
         st.num_committed = max(st.num_committed, n_full)
+
+    def _tail_block(self, req: CacheRequest, keys: list[BlockKey], st: _ReqState) -> int | None:
+        """First block index not to write under ``admission_tail_tokens``, or None (write all).
+
+        A prompt longer than the threshold has its head (the blocks inside the first
+        ``admission_tail_tokens`` tokens) remembered in a bounded list; its tail is written only
+        when that head was seen before (by an earlier request, or as a cached hit now).
+        """
+        limit = self.admission_tail_tokens
+        assert limit is not None
+        head = limit // self.block_size
+        if req.num_prompt_tokens <= limit or head == 0 or head > len(keys):
+            return None
+        if st.tail_ok is None:  # decided once, at the request's first commit
+            key = keys[head - 1]
+            st.tail_ok = st.num_hit_blocks >= head or key in self._seen_heads
+            self._seen_heads[key] = None
+            self._seen_heads.move_to_end(key)
+            if len(self._seen_heads) > max(1024, self.pool.num_blocks):
+                self._seen_heads.popitem(last=False)
+        return None if st.tail_ok else head
 
     def free(self, req: CacheRequest) -> None:
         """Release every block the request holds (finished, aborted or preempted)."""
@@ -278,12 +312,18 @@ class KVCacheManager:
                 if c > common:
                     best, common = b, c
             n = pos + common
-            lo = max(0, common - 4)
+            cached = list((best.token_ids or ())[common:])
+            nxt = best
+            while len(cached) < EXCERPT_TOKENS and nxt is not None and nxt.key is not None:
+                kids = self.pool.cached_children(nxt.key)
+                nxt = max(kids, key=lambda b: b.num_hits) if kids else None
+                if nxt is not None:
+                    cached += list(nxt.token_ids or ())
             return {**base, "miss_position": n, "miss_reason": "diverged",
                     "detail": {"block_index": k, "matched_tokens": n,
-                               "sent_token_ids": list(req.token_ids[pos + lo:pos + common + EXCERPT_TOKENS]),
-                               "cached_token_ids": list((best.token_ids or ())[lo:]),
-                               "context_token_ids": list(req.token_ids[max(0, n - 8):n])}}
+                               "context_token_ids": list(req.token_ids[max(0, n - 12):n]),
+                               "sent_token_ids": list(req.token_ids[n:n + EXCERPT_TOKENS]),
+                               "cached_token_ids": cached[:EXCERPT_TOKENS]}}
         if siblings:  # trace replay: no tokens to compare
             return {**base, "miss_reason": "diverged", "detail": {"block_index": k}}
         return {**base, "miss_reason": "cold", "detail": {"block_index": k}}
@@ -333,6 +373,7 @@ class KVCacheManager:
             "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
             "miss_share_by_reason": s.miss_breakdown(),
             "requests_by_reason": dict(s.requests_by_reason),
+            "top_miss_causes": s.top_causes(),
         }
 
     def top_prefixes(self, n: int = 10) -> list[dict[str, Any]]:

@@ -1,0 +1,307 @@
+"""The trace-replay simulator: formats, engine agreement, MIN bound, retention controls, sweep."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hotprefix import simulate as sim
+from hotprefix.simulate import TraceRequest
+
+
+def keyed(chain_ids, n_prompt=None, bs=16, **kw) -> TraceRequest:
+    """A request whose full blocks are the given (already chained) ids."""
+    keys = [str(x).encode() for x in chain_ids]
+    n = n_prompt if n_prompt is not None else len(keys) * bs + 1  # +1: every block can hit
+    return TraceRequest(n, n, keys, **kw)
+
+
+def scan_trace(warm=30, docs=100, doc_blocks=60, sys_blocks=4):
+    """A shared system prompt used ``warm`` times, then single-use long documents, then once more."""
+    reqs, nid = [], 10_000
+    sysp = list(range(sys_blocks))
+    for _ in range(warm):
+        reqs.append(keyed(sysp + [nid, nid + 1]))
+        nid += 2
+    for _ in range(docs):
+        reqs.append(keyed(list(range(nid, nid + doc_blocks))))
+        nid += doc_blocks
+    reqs.append(keyed(sysp + [nid]))
+    return reqs
+
+
+# ---------------------------------------------------------------------------- formats
+def test_mooncake_subblocks_and_partial_last_block():
+    keys = sim.mooncake_keys([7, 9], 512 + 100, 16)
+    assert len(keys) == 32 + 6  # 100 tokens of the partial block = 6 full sub-blocks
+    again = sim.mooncake_keys([7, 11], 1024, 16)
+    assert keys[:32] == again[:32] and keys[32] != again[32]
+    assert sim.mooncake_keys([7, 9], 1000, 512) == [b"7"]
+    with pytest.raises(ValueError):
+        sim.mooncake_keys([1], 512, 48)
+
+
+def test_trace_formats(tmp_path):
+    p = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 1500, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2, 3]},
+        {"block_keys": ["aa" * 8, "bb" * 8, "cc" * 8], "block_size": 16, "num_prompt_tokens": 40,
+         "num_output_tokens": 2, "timestamp": 3.0, "cache": "none"},
+        {"token_ids": list(range(50)), "priority": 2, "pin_ttl_s": 5},
+    ]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    a, b, c = sim.load_trace(str(p), 16)
+    assert len(a.block_keys) == 1100 // 16 and a.timestamp == 1.5
+    assert b.num_tokens == 41 and len(b.block_keys) == 2 and not b.cache_write
+    assert c.block_keys is None and c.priority == 2 and c.pin_ttl_s == 5.0
+    with pytest.raises(ValueError, match="block_size 16"):
+        sim.load_trace(str(p), 32)
+
+
+# ---------------------------------------------------------------------------- engine agreement
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_simulator_and_engine_agree(tiny_model_dir, policy):
+    """The same token trace through LLM.generate (one request at a time) and the simulator gives
+    the same cached tokens, request by request, with evictions happening."""
+    from hotprefix import LLM
+    from hotprefix.sampling import SamplingParams
+
+    rng = random.Random(3)
+    shared = [[rng.randrange(100, 5000) for _ in range(48)] for _ in range(3)]
+    prompts = []
+    for _ in range(24):
+        p = list(rng.choice(shared)[:rng.choice([16, 32, 48])])
+        p += [rng.randrange(100, 5000) for _ in range(rng.randrange(1, 40))]
+        prompts.append(p)
+    num_blocks = 12
+    llm = LLM(tiny_model_dir, num_blocks=num_blocks, block_size=16, eviction_policy=policy)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine_hits = [llm.generate(p, params)[0].num_cached_tokens for p in prompts]
+    res = sim.replay([TraceRequest(len(p), len(p), None, p) for p in prompts],
+                     num_blocks * 16, policy, 16, keep_per_request=True)
+    assert [h * 16 for h in res.per_request_hits] == engine_hits
+    assert sum(engine_hits) > 0 and res.evictions > 0
+
+
+# ---------------------------------------------------------------------------- bounds
+def random_trace(seed, n_req=40, n_convs=6, max_len=10):
+    """Conversations that grow (each turn extends a previous one) plus one-off requests."""
+    rng = random.Random(seed)
+    convs = [[] for _ in range(n_convs)]
+    nid = 0
+    reqs = []
+    for _ in range(n_req):
+        c = rng.randrange(n_convs + 2)
+        if c >= n_convs:  # one-off
+            chain = list(range(nid, nid + rng.randrange(1, max_len)))
+            nid += len(chain)
+        else:
+            conv = convs[c]
+            if len(conv) >= max_len:
+                conv.clear()
+            conv.extend(range(nid, nid + rng.randrange(1, 4)))
+            nid += 3
+            chain = [("c", c, x) if i == 0 else x for i, x in enumerate(conv)]
+        reqs.append(keyed(chain, n_prompt=len(chain) * 16 + rng.choice([-5, 1, 7])))
+    return reqs
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), cap=st.integers(10, 40))
+def test_min_bounds_every_online_policy(seed, cap):
+    reqs = random_trace(seed)
+    keys = sim.request_keys(reqs, 16)
+    best = sim.replay(reqs, cap * 16, "min", 16, keys=keys).hit_blocks
+    ceil = sim.ceiling(reqs, 16, keys).hit_blocks
+    assert best <= ceil
+    for name in sorted(sim.POLICIES):
+        got = sim.replay(reqs, cap * 16, name, 16).hit_blocks
+        assert 0 <= got <= best, name
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_no_block_is_stranded(policy):
+    """Tree-aware eviction: a cached block's parent is always cached too."""
+    from hotprefix.cache.block_pool import BlockPool
+    from hotprefix.cache.hashing import BlockHasher
+    from hotprefix.cache.manager import CacheRequest, KVCacheManager
+
+    pool = BlockPool(25, 16, policy, ghost_size=0)
+    mgr = KVCacheManager(pool, BlockHasher(sim.SIM_NAMESPACE, 16))
+    for i, r in enumerate(random_trace(11, n_req=300)):
+        req = CacheRequest(str(i), [], r.num_prompt_tokens, block_keys=list(r.block_keys), keys_given=True)
+        hits = mgr.lookup(req)
+        mgr.allocate(req, r.num_tokens - 16 * len(hits), 16 * len(hits), hits)
+        mgr.commit(req, r.num_tokens)
+        mgr.free(req)
+        for b in pool.index.values():
+            assert b.depth == 0 or b.parent in pool.index
+    pool.check_invariants()
+    assert pool.num_evictions > 0
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_lru_stack_distances_match_replay(seed):
+    """One stack-distance pass gives exactly the LRU replay's hits at every capacity (partial
+    blocks included: their slot is taken during the request and left empty after)."""
+    reqs = random_trace(seed, n_req=200)
+    hist = sim.lru_stack_hits(reqs, 16)
+    for cap in (12, 13, 20, 35, 60):
+        assert sim.hits_at(hist, cap) == sim.replay(reqs, cap * 16, "lru", 16).hit_blocks
+
+
+# ---------------------------------------------------------------------------- scan resistance
+def test_freq_keeps_system_prompt_through_a_scan_lru_does_not():
+    reqs = scan_trace()
+    cap = 2000 * 16  # 2000 blocks; the documents bring 6000
+    for name, want in (("freq", 4), ("lru", 0)):
+        res = sim.replay(reqs, cap, name, 16, keep_per_request=True)
+        assert res.per_request_hits[-1] == want, name
+
+
+# ---------------------------------------------------------------------------- retention controls
+def test_cache_none_reads_but_writes_nothing():
+    reqs = [keyed([1, 2, 3]),
+            keyed([1, 2, 3, 4, 5], cache_write=False),
+            keyed([1, 2, 3, 4, 5, 6])]
+    res = sim.replay(reqs, 100 * 16, "lru", 16, keep_per_request=True)
+    assert res.per_request_hits == [0, 3, 3]  # blocks 4, 5 were never written
+    assert res.written_blocks == 3 + 3
+    only = sim.replay([keyed([9, 8, 7], cache_write=False)] * 2, 100 * 16, "lru", 16,
+                      keep_per_request=True)
+    assert only.written_blocks == 0 and only.per_request_hits == [0, 0]
+
+
+def _flood(t0, n, nid, blocks=10):
+    return [keyed(list(range(nid + i * blocks, nid + (i + 1) * blocks)), timestamp=t0 + i)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_pins_hold_until_their_ttl_then_become_ordinary(policy):
+    sysp = [1, 2, 3]
+    pinned = keyed(sysp, timestamp=0.0, pin_ttl_s=100.0)
+    # within the TTL: a flood of 20 x 10 blocks through a 40-block pool does not evict the pin
+    reqs = [pinned] + _flood(1.0, 20, 1000) + [keyed(sysp + [99], timestamp=50.0)]
+    res = sim.replay(reqs, 40 * 16, policy, 16, keep_per_request=True)
+    assert res.per_request_hits[-1] == 3
+    # after the TTL: the same flood evicts it like any block
+    reqs = [pinned] + _flood(200.0, 20, 1000) + [keyed(sysp + [99], timestamp=300.0)]
+    res = sim.replay(reqs, 40 * 16, policy, 16, keep_per_request=True)
+    assert res.per_request_hits[-1] == 0
+
+
+def test_pins_are_bounded_by_their_share_of_the_pool():
+    big = keyed(list(range(30)), timestamp=0.0, pin_ttl_s=1000.0)  # 30 blocks, share = 20
+    reqs = [big] + _flood(1.0, 20, 1000) + [keyed(list(range(30)) + [99], timestamp=5.0)]
+    res = sim.replay(reqs, 40 * 16, "lru", 16, max_pinned_fraction=0.5, keep_per_request=True)
+    assert res.per_request_hits[-1] == 20  # the pinned head survived, the unpinned tail did not
+    assert res.truncated_requests == 0
+
+
+def test_pin_with_injected_clock_on_the_pool():
+    from hotprefix.cache.block_pool import AdmitInfo, BlockPool
+
+    now = [0.0]
+    pool = BlockPool(4, 16, "freq", clock=lambda: now[0])
+    a = pool.allocate(1)[0]
+    pool.cache_block(a, b"k", (), AdmitInfo(0, 1, 0, None))
+    assert pool.pin(a, 10.0)
+    pool.free([a])
+    assert pool.num_free == 3  # pinned: not evictable
+    pool.allocate(3)
+    assert pool.allocate(1) is None
+    now[0] = 11.0
+    assert pool.num_free == 1  # the pin expired: an ordinary evictable block
+    assert pool.allocate(1) == [a] and pool.lookup(b"k") is None
+
+
+def test_priority_outlives_recency_under_freq():
+    low = keyed([1, 2], priority=0)
+    high = keyed([5, 6], priority=3)
+    reqs = [high, low] + _flood(0, 3, 1000, blocks=4) + [keyed([5, 6, 7]), keyed([1, 2, 3])]
+    res = sim.replay(reqs, 8 * 16, "freq", 16, keep_per_request=True)
+    assert res.per_request_hits[-2:] == [2, 0]
+
+
+# ---------------------------------------------------------------------------- admission rule
+def test_admission_tail_caches_a_long_tail_only_when_its_head_was_seen():
+    head = list(range(4))
+    long1 = keyed(head + list(range(100, 120)))  # 24 blocks, 384+ tokens
+    long2 = keyed(head + list(range(100, 121)))
+    res = sim.replay([long1, long2, long2], 100 * 16, "lru", 16, admission_tail_tokens=64,
+                     keep_per_request=True)
+    # first: only the 4 head blocks are written; second: head seen -> tail written; third hits all
+    assert res.per_request_hits == [0, 4, 25]
+    off = sim.replay([long1, long2], 100 * 16, "lru", 16, keep_per_request=True)
+    assert off.per_request_hits == [0, 24]
+
+
+# ---------------------------------------------------------------------------- CLI
+def _write_mooncake(path, n=300, seed=0):
+    rng = random.Random(seed)
+    nid, convs, lines = 1, {}, []
+    for i in range(n):
+        c = rng.randrange(40)
+        ids = convs.get(c, [0]) + list(range(nid, nid + rng.randrange(1, 6)))
+        nid += 6
+        if rng.random() < 0.3:
+            ids = [0] + list(range(nid, nid + 20))
+            nid += 20
+        else:
+            convs[c] = ids
+        lines.append({"timestamp": i * 100, "input_length": len(ids) * 512 - rng.randrange(0, 500),
+                      "output_length": 10, "hash_ids": ids})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_cli_json_and_min(tmp_path, capsys):
+    p = tmp_path / "mc.jsonl"
+    _write_mooncake(p)
+    out = {}
+    for pol in ("lru", "min", None):
+        argv = [str(p), "--capacity-tokens", "60000", "--block-size", "512", "--json"]
+        assert sim.main(argv + (["--policy", pol] if pol else [])) == 0
+        out[pol] = json.loads(capsys.readouterr().out)
+    assert out[None]["policy"] == sim.default_policy()
+    for o in out.values():
+        assert {"block_hit_ratio", "token_hit_ratio", "policy", "capacity_tokens"} <= set(o)
+        assert o["capacity_tokens"] == 60000
+    assert out["min"]["block_hit_ratio"] >= out["lru"]["block_hit_ratio"] > 0
+    from hotprefix.cli import main as cli_main
+
+    assert cli_main(["simulate", str(p), "--capacity-tokens", "60000", "--block-size", "512",
+                     "--json", "--policy", "min"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_hit_ratio"] == out["min"]["block_hit_ratio"]
+
+
+def test_cli_sweep_writes_plot_json_and_sizing(tmp_path, capsys):
+    p = tmp_path / "mc.jsonl"
+    _write_mooncake(p)
+    d = tmp_path / "out"
+    assert sim.main([str(p), "--sweep", "--out", str(d), "--block-size", "512", "--points", "6",
+                     "--bytes-per-token", "46080", "--policy", "lru,freq"]) == 0
+    text = capsys.readouterr().out
+    assert (d / "mrc.png").stat().st_size > 1000
+    res = json.loads((d / "mrc.json").read_text())
+    assert set(res["policies"]) == {"lru", "freq", "min"}
+    assert res["stack_check"]["stack"] == res["stack_check"]["replay"]
+    caps = res["capacities_tokens"]
+    assert caps == sorted(caps) and len(caps) == 6
+    for name, ys in res["policies"].items():
+        assert all(0 <= y <= res["ceiling"] + 1e-9 for y in ys)
+        assert all(m >= y - 1e-9 for m, y in zip(res["policies"]["min"], ys))
+    a = res["advice"]["lru"]
+    assert a["kv_cache_memory_bytes"] == a["capacity_tokens"] * 46080
+    assert "--kv-cache-memory" in text
+
+
+def test_default_model_bytes_per_token():
+    try:
+        assert sim.model_bytes_per_token(None, 4) == 46080
+    except ImportError:
+        pytest.skip("default model not installed")
