@@ -77,6 +77,9 @@ def test_timestamp_in_first_line_gets_zero_and_is_explained(real_llm):
     d = rep["detail"]
     assert d["likely_cause"] in ("timestamp", "date")
     assert "30T14:47:43" in d["sent_excerpt"] and "29T09:15:02" in d["cached_excerpt"]
+    causes = real_llm.cache_stats()["top_miss_causes"]
+    assert any(c["reason"] == "diverged" and c["cause"] in ("timestamp", "date") and c["block_index"] == 0
+               for c in causes)
     # the diverging token position is inside the timestamp
     prefix_len = len(real_llm.tokenizer.encode("Request received at 2026-11-"))
     assert prefix_len - 2 <= rep["miss_position"] <= prefix_len + 1

@@ -27,6 +27,8 @@ class CacheStats:
     miss_tokens_by_reason: Counter = field(default_factory=Counter)
     """Uncached prompt tokens, by the miss reason of their request."""
     requests_by_reason: Counter = field(default_factory=Counter)
+    miss_causes: Counter = field(default_factory=Counter)
+    """Uncached prompt tokens by (reason, likely cause, block index) — what an operator acts on."""
     recent: deque = field(default_factory=deque)
     started: float = field(default_factory=time.monotonic)
 
@@ -55,8 +57,26 @@ class CacheStats:
         total = sum(self.miss_tokens_by_reason.values())
         return {k: v / total for k, v in self.miss_tokens_by_reason.most_common()} if total else {}
 
+    def record_cause(self, reason: str, cause: str | None, block_index: int | None, tokens: int) -> None:
+        if reason != "hit" and tokens:
+            self.miss_causes[(reason, cause or "", -1 if block_index is None else block_index)] += tokens
+
+    def top_causes(self, n: int = 5) -> list[dict]:
+        """The largest causes of uncached tokens, with a one-line summary each."""
+        total = sum(self.miss_tokens_by_reason.values())
+        out = []
+        for (reason, cause, block), tokens in self.miss_causes.most_common(n):
+            share = tokens / total if total else 0.0
+            where = f" in block {block}" if block >= 0 else ""
+            what = f" at a {cause.replace('_', ' ')}" if cause else ""
+            out.append({"reason": reason, "cause": cause or None, "block_index": block if block >= 0 else None,
+                        "tokens": tokens, "share": share,
+                        "summary": f"{share:.0%} of missed tokens: {reason}{what}{where}"})
+        return out
+
     def reset(self) -> None:
         self.queries_tokens = self.hit_tokens = self.num_requests = self.written_blocks = 0
         self.miss_tokens_by_reason.clear()
         self.requests_by_reason.clear()
+        self.miss_causes.clear()
         self.recent.clear()

@@ -150,8 +150,12 @@ class LLMEngine:
     def _postprocess(self, req: Request, now: float) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = now
-            if req.cache_report is not None:
-                explain(req.cache_report, self.tokenizer)
+            rep = req.cache_report
+            if rep is not None:
+                explain(rep, self.tokenizer)
+                detail = rep.get("detail") or {}
+                self.cache.stats.record_cause(rep["miss_reason"], detail.get("likely_cause"),
+                                              detail.get("block_index"), rep["computed_tokens"])
         req.token_times.append(now)
         tok = req.token_ids[-1]
         p = req.params
