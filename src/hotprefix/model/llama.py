@@ -103,10 +103,11 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _apply_rope(q.view(n, a.num_heads, a.head_dim), cos, sin)
-            k = _apply_rope(k.view(n, a.num_kv_heads, a.head_dim), cos, sin)
-            v = v.reshape(n, a.num_kv_heads, a.head_dim)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # RoPE on queries and keys together: one set of ops instead of two
+            qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+            q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
+            v = v.view(n, a.num_kv_heads, a.head_dim)
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(o.reshape(n, self.q_size), layer["o"])
