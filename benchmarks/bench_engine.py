@@ -59,9 +59,10 @@ REFERENCE = {
 
 # --------------------------------------------------------------------------- hotprefix
 class HotprefixContender:
-    def __init__(self, name: str, llm):
+    def __init__(self, name: str, llm, prefill_only: bool = False):
         self.name = name
         self.llm = llm
+        self.prefill_only = prefill_only  # deterministic mode: its cost is a prefill question
 
     def prefill_tps(self, ids: list[int]) -> float:
         from hotprefix.sampling import SamplingParams
@@ -140,6 +141,8 @@ def main() -> None:
     ap = common.base_parser(__doc__)
     ap.add_argument("--no-bf16", action="store_true", help="skip the hotprefix bfloat16 contender")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    ap.add_argument("--no-deterministic", action="store_true",
+                    help="skip the deterministic-mode prefill contender")
     args = ap.parse_args()
     common.setup_threads(args.threads)
     if args.quick:
@@ -155,6 +158,10 @@ def main() -> None:
         contenders.append(HotprefixContender("hotprefix bf16", common.load_hotprefix(
             args.threads, dtype="bfloat16", enable_prefix_caching=False,
             max_num_batched_tokens=max_batched)))
+    if not args.no_deterministic:
+        contenders.append(HotprefixContender("hotprefix fp32 deterministic", common.load_hotprefix(
+            args.threads, deterministic=True, enable_prefix_caching=False,
+            max_num_batched_tokens=max_batched), prefill_only=True))
     if not args.no_transformers:
         contenders.append(TransformersContender(common.load_transformers()))
     tok = contenders[0].llm.tokenizer
@@ -162,7 +169,8 @@ def main() -> None:
     # one warm-up per contender (allocator, kernels, lazy init)
     warm = common.text_tokens(tok, 96, seed=999)
     for c in contenders:
-        t, _ = common.timed(lambda: (c.prefill_tps(warm), c.decode([warm, warm[:80]], 4)))
+        t, _ = common.timed(lambda: (c.prefill_tps(warm), None if getattr(c, "prefill_only", False)
+                                     else c.decode([warm, warm[:80]], 4)))
         log(f"  warm-up {c.name}: {t:.1f}s")
 
     names = [c.name for c in contenders]
@@ -182,6 +190,7 @@ def main() -> None:
                 log(f"  rep {rep} prefill {L:5d}  {c.name:18s} {tps:8.1f} tok/s")
         seed += 1
         p1 = [common.text_tokens(tok, 128, seed=seed)]
+        order = [c for c in order if not getattr(c, "prefill_only", False)]
         for c in order:
             r = c.decode(p1, n_out)
             dec1[c.name].append(r)
@@ -196,6 +205,11 @@ def main() -> None:
 
     res: dict[str, dict] = {}
     for n in names:
+        if not dec1[n]:  # prefill-only contender
+            res[n] = {"prefill_tps": {L: median(v) for L, v in prefill[n].items()},
+                      "prefill_tps_all": prefill[n], "decode_b1_ms_per_token": None,
+                      f"decode_b{batch}_tps": None}
+            continue
         res[n] = {
             "prefill_tps": {L: median(v) for L, v in prefill[n].items()},
             "prefill_tps_all": prefill[n],
@@ -209,6 +223,10 @@ def main() -> None:
     if hf in res:
         for n in names:
             if n == hf:
+                continue
+            if res[n]["decode_b1_ms_per_token"] is None:
+                ratios[n] = {"prefill_vs_transformers": {
+                    L: res[n]["prefill_tps"][L] / res[hf]["prefill_tps"][L] for L in res[n]["prefill_tps"]}}
                 continue
             ratios[n] = {
                 "prefill_vs_transformers": {L: res[n]["prefill_tps"][L] / res[hf]["prefill_tps"][L]
@@ -228,7 +246,7 @@ def main() -> None:
         r = res[n]
         rows.append([f"**{n}**" if n.startswith("hotprefix") else n]
                     + [r["prefill_tps"][L] for L in Ls]
-                    + [r["decode_b1_ms_per_token"], r[f"decode_b{batch}_tps"]])
+                    + [r["decode_b1_ms_per_token"] or "-", r[f"decode_b{batch}_tps"] or "-"])
     for n, ref in REFERENCE.items():
         rows.append([f"_{n}_"] + [ref["prefill_tps"].get(str(L), "-") if not args.quick else "-"
                                   for L in (512, 2048, 4096)][:len(Ls)]
@@ -239,9 +257,10 @@ def main() -> None:
                   ["decode b1 speedup", f"decode b{batch}"]
         rrows = []
         for n, rt in ratios.items():
-            rrows.append([n] + [f"{rt['prefill_vs_transformers'][L]:.2f}x" for L in Ls]
-                         + [f"{rt['decode_b1_speedup_vs_transformers']:.2f}x",
-                            f"{rt[f'decode_b{batch}_vs_transformers']:.2f}x"])
+            dec = ([f"{rt['decode_b1_speedup_vs_transformers']:.2f}x",
+                    f"{rt[f'decode_b{batch}_vs_transformers']:.2f}x"]
+                   if "decode_b1_speedup_vs_transformers" in rt else ["-", "-"])
+            rrows.append([n] + [f"{rt['prefill_vs_transformers'][L]:.2f}x" for L in Ls] + dec)
         lines += [common.md_table(rheader, rrows), ""]
     # targets (the default contender: hotprefix fp32)
     main_r = res["hotprefix fp32"]
