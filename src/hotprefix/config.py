@@ -81,8 +81,9 @@ class CacheConfig:
     hash_algo: str = "sha256"
     """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (xxh-like builtin hash of a
     pickle; faster, but collisions can be forged, so never use it with several tenants)."""
-    eviction_policy: str = "lru"
-    """Which free cached block to evict first (see ``hotprefix.cache.eviction.POLICIES``)."""
+    eviction_policy: str = "freq"
+    """Which free cached block to evict first (see ``hotprefix.cache.eviction.POLICIES``):
+    ``freq`` (recency + log-frequency credit: scan-resistant, evicts leaves first) or ``lru``."""
     admission_tail_tokens: int | None = None
     """Admission rule for long prompts: blocks past this many prompt tokens are cached only when
     the prompt's first ``admission_tail_tokens`` tokens were seen before (keeps single-use long
@@ -123,7 +124,8 @@ class ServerConfig:
     port: int = 8000
     """Port to listen on."""
     api_keys: str | None = None
-    """JSON file mapping API key -> tenant name; None = single tenant, no auth."""
+    """JSON file mapping API key -> tenant name, or key -> {"tenant", "shared_prefix_tokens", "cache",
+    "priority", "ttl_s", "admin"}; None = single tenant, no auth."""
     admin_key: str | None = None
     """Key allowed to call admin routes (cache reset); None = admin routes open without a key file."""
     served_model_name: str | None = None
