@@ -79,8 +79,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the K/V of full blocks whose content (and namespace) matches."""
     hash_algo: str = "sha256"
-    """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (xxh-like builtin hash of a
-    pickle; faster, but collisions can be forged, so never use it with several tenants)."""
+    """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (Python's built-in 64-bit
+    tuple hash: faster, valid within one process, collisions can be forged: never with several tenants)."""
     eviction_policy: str = "freq"
     """Which free cached block to evict first (see ``hotprefix.cache.eviction.POLICIES``):
     ``freq`` (recency + log-frequency credit: scan-resistant, evicts leaves first) or ``lru``."""

@@ -78,7 +78,8 @@ class LLMEngine:
         self.namespace = namespace_key(self.model_fingerprint, self.tokenizer_fingerprint)
         hasher = BlockHasher(self.namespace, cc.block_size, cc.hash_algo)
         ledger = ContentLedger(os.path.join(cc.state_dir, "ledger.txt") if cc.state_dir else None)
-        self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window, ledger)
+        self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window, ledger,
+                                    cc.admission_tail_tokens)
         arch_len = self.runner.arch.max_position
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
