@@ -27,6 +27,7 @@ from hotprefix.sampling import sample
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = "1GiB"
+CASCADE_MIN_TOKENS = 256  # shared decode prefix from which cascade attention is used
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,6 +147,11 @@ class ModelRunner:
             meta.decode_block_tables = table.to(dev)
             meta.decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(
                 len(decodes), 1, 1, -1).to(dev)
+            shared = self._shared_decode_blocks([block_tables[id(c.request)] for c in decodes])
+            if shared:
+                meta.decode_shared_blocks = torch.tensor(shared, device=dev)
+                meta.decode_suffix_tables = table[:, len(shared):].to(dev)
+                meta.decode_suffix_mask = meta.decode_mask.view(len(decodes), -1)[:, len(shared) * bs:]
             for r, c in enumerate(decodes):
                 if c.wants_logits:
                     logit_rows.append(r)
@@ -166,6 +172,20 @@ class ModelRunner:
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                                     self.kv_caches, meta, torch.tensor(logit_rows, dtype=torch.long, device=dev))
         return logits, owners
+
+    def _shared_decode_blocks(self, tables: list[list[int]]) -> list[int]:
+        """Leading block ids common to every decoding sequence (a shared cached prefix), when long
+        enough for cascade attention to pay; each sequence keeps at least its own last block."""
+        if len(tables) < 2:
+            return []
+        first = tables[0]
+        n = min(len(t) for t in tables) - 1
+        for i in range(n):
+            bid = first[i]
+            if any(t[i] != bid for t in tables):
+                n = i
+                break
+        return first[:n] if n * self.block_size >= CASCADE_MIN_TOKENS else []
 
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""

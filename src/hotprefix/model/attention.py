@@ -38,6 +38,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool
     prefills: list[PrefillSeq] | None = None
     has_padding: bool = False
+    # Cascade decode: blocks every decoding sequence shares (a common cached prefix) are read once
+    # for the whole batch; only each sequence's own tail goes through its block table.
+    decode_shared_blocks: torch.Tensor | None = None  # [num_shared] long
+    decode_suffix_tables: torch.Tensor | None = None  # [num_decode, max_blocks - num_shared] long
+    decode_suffix_mask: torch.Tensor | None = None  # [num_decode, (max_blocks - num_shared) * block_size] bool
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,7 +66,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
     gqa = q.shape[1] != nkv
     nd = meta.num_decode
-    if nd:
+    if nd and meta.decode_shared_blocks is not None:
+        out[:nd] = _cascade_decode(q[:nd], k_cache, v_cache, meta, scale)
+    elif nd:
         bt = meta.decode_block_tables
         k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, hd]
         v = v_cache[bt].flatten(1, 2).transpose(1, 2)
@@ -85,3 +92,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                enable_gqa=gqa)
         out[p.q_start:p.q_end] = o[0].transpose(0, 1)
     return out
+
+
+def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention split into a shared prefix (one GEMM for all sequences) and per-sequence
+    tails, merged exactly with a shared softmax maximum and denominator.
+
+    Without it each sequence would gather its own copy of the shared prefix every layer and step.
+    """
+    b, h, hd = q.shape
+    nkv = k_cache.shape[-2]
+    g = h // nkv
+    qb = q.view(b, nkv, g, hd)
+    kp = k_cache[meta.decode_shared_blocks].flatten(0, 1)  # [Lp, nkv, hd]
+    vp = v_cache[meta.decode_shared_blocks].flatten(0, 1)
+    lp = kp.shape[0]
+    qg = qb.permute(1, 0, 2, 3).reshape(nkv, b * g, hd)
+    sp = torch.matmul(qg, kp.permute(1, 2, 0)).view(nkv, b, g, lp).permute(1, 0, 2, 3) * scale
+    ks = k_cache[meta.decode_suffix_tables].flatten(1, 2)  # [B, Ls, nkv, hd]
+    vs = v_cache[meta.decode_suffix_tables].flatten(1, 2)
+    ss = torch.einsum("bkgd,blkd->bkgl", qb, ks) * scale
+    ss = ss.masked_fill(~meta.decode_suffix_mask[:, None, None, :], float("-inf"))
+    m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
+    pp = torch.exp(sp - m)
+    ps = torch.exp(ss - m)
+    denom = pp.sum(-1, keepdim=True) + ps.sum(-1, keepdim=True)
+    op = torch.matmul(pp.permute(1, 0, 2, 3).reshape(nkv, b * g, lp), vp.permute(1, 0, 2))
+    op = op.view(nkv, b, g, hd).permute(1, 0, 2, 3)
+    o = (op + torch.einsum("bkgl,blkd->bkgd", ps, vs)) / denom
+    return o.reshape(b, h, hd)
