@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_prefix_cache.py
+	$(BIN)/python benchmarks/bench_eviction.py --sweep
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
