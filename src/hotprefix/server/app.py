@@ -403,6 +403,20 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def run(body, request: Request, tenant: Tenant, ids: list[int], params, rid: str,
+                  created: int, kind: str, field: str):
+        """Submit one request; (streaming or early response, None, None) or (None, output, report)."""
+        stream = await submit(ids, params, rid, tenant, body.hotprefix, field)
+        if body.stream:
+            inc = bool(body.stream_options and body.stream_options.include_usage)
+            return stream_response(stream, kind, tenant, rid, created, inc), None, None
+        out = await collect(stream, request)
+        if out is None:
+            return Response(status_code=499), None, None
+        if out.finish_reason == "error":
+            raise engine_error(out)
+        return None, out, finish(out, kind, tenant)
+
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request,
@@ -413,16 +427,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         params = sampling(body, body.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await submit(ids, params, rid, tenant, body.hotprefix, "prompt")
-        if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream_response(stream, "completions", tenant, rid, created, inc)
-        out = await collect(stream, request)
-        if out is None:
-            return Response(status_code=499)
-        if out.finish_reason == "error":
-            raise engine_error(out)
-        rep = finish(out, "completions", tenant)
+        early, out, rep = await run(body, request, tenant, ids, params, rid, created,
+                                    "completions", "prompt")
+        if early is not None:
+            return early
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": state.served_name,
             "choices": [{"index": 0, "text": out.text, "logprobs": None,
@@ -442,16 +450,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         params = sampling(body, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await submit(ids, params, rid, tenant, body.hotprefix, "messages")
-        if body.stream:
-            inc = bool(body.stream_options and body.stream_options.include_usage)
-            return stream_response(stream, "chat", tenant, rid, created, inc)
-        out = await collect(stream, request)
-        if out is None:
-            return Response(status_code=499)
-        if out.finish_reason == "error":
-            raise engine_error(out)
-        rep = finish(out, "chat", tenant)
+        early, out, rep = await run(body, request, tenant, ids, params, rid, created, "chat", "messages")
+        if early is not None:
+            return early
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": state.served_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
