@@ -111,9 +111,6 @@ class Tokenizer:
         # The template already contains any BOS/special tokens it wants.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
-    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        return [self._tok.decode([t]) for t in token_ids]
-
     # ------------------------------------------------------------------ fingerprint
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -140,28 +137,3 @@ class Tokenizer:
                "chat_template": self.chat_template}
         with open(os.path.join(os.path.dirname(path), "tokenizer_config.json"), "w") as f:
             json.dump(cfg, f)
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas for streaming.
-
-    Holds back text that ends in an incomplete UTF-8 sequence (decoded as U+FFFD) until the
-    next token completes it.
-    """
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.token_ids)

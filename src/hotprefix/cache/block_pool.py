@@ -15,6 +15,7 @@ The pool only knows block ids and keys; the K/V tensors live in the runner. Impo
 from __future__ import annotations
 
 import time
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -97,6 +98,7 @@ class BlockPool:
         self.pinned: dict[int, KVBlock] = {}  # free-and-cached blocks held back by a pin
         self.max_pinned = int(num_blocks * max_pinned_fraction)
         self.num_pinned_blocks = 0  # cached blocks (any refcount) with an active pin
+        self._pin_heap: list[tuple[float, int]] = []  # (pinned_until, block_id), may hold stale entries
         self.clock = clock
         self.num_evictions = 0
         self.eviction_times: deque[float] = deque(maxlen=4096)
@@ -128,9 +130,6 @@ class BlockPool:
     def cached_children(self, parent: BlockKey) -> list[KVBlock]:
         """Cached blocks whose previous block is ``parent`` (siblings of a missing block)."""
         return [self.index[k] for k in self.children.get(parent, ()) if k in self.index]
-
-    def is_leaf(self, block: KVBlock) -> bool:
-        return block.key is None or not self.children.get(block.key)
 
     # ------------------------------------------------------------------ refcounts
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -222,18 +221,24 @@ class BlockPool:
                 return False
             self.num_pinned_blocks += 1
         block.pinned_until = max(block.pinned_until, until)
+        heapq.heappush(self._pin_heap, (block.pinned_until, block.block_id))
         return True
 
     def _expire_pins(self) -> None:
         if not self.num_pinned_blocks:
+            self._pin_heap.clear()
             return
         now = self.clock()
-        for b in self.blocks:
-            if b.pinned_until and b.pinned_until <= now:
-                b.pinned_until = 0.0
-                self.num_pinned_blocks -= 1
-                if self.pinned.pop(b.block_id, None) is not None:
-                    self.policy.on_free(b)
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            until, bid = heapq.heappop(heap)
+            b = self.blocks[bid]
+            if not b.pinned_until or b.pinned_until != until:
+                continue  # stale: extended, uncached or already expired
+            b.pinned_until = 0.0
+            self.num_pinned_blocks -= 1
+            if self.pinned.pop(b.block_id, None) is not None:
+                self.policy.on_free(b)
 
     def _uncache(self, b: KVBlock, evicted: bool) -> None:
         assert b.key is not None

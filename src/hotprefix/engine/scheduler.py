@@ -144,23 +144,26 @@ class Scheduler:
         out.preempted.append(victim)
         out.chunks = [c for c in out.chunks if c.request is not victim]
 
-    def _order(self) -> list[Request]:
+    def _order(self) -> list[tuple[Request, list | None]]:
+        """Waiting requests in admission order, with their cache hits when already looked up."""
         window = list(self.waiting)[:ADMISSION_WINDOW]
         if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
-            return window
-        hits = {id(r): len(self.manager.lookup(r)) for r in window}
+            return [(r, None) for r in window]
+        hits = {id(r): self.manager.lookup(r) for r in window}
         overdue = [r for r in window if r.num_skips >= self.config.max_skips]
         rest = [r for r in window if r.num_skips < self.config.max_skips]
-        rest.sort(key=lambda r: -hits[id(r)])  # stable: FCFS among equal hits
-        return overdue + rest
+        rest.sort(key=lambda r: -len(hits[id(r)]))  # stable: FCFS among equal hits
+        return [(r, hits[id(r)]) for r in overdue + rest]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Request] = []
         fcfs = list(self.waiting)[:ADMISSION_WINDOW]
-        for req in self._order():
+        for req, hits in self._order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hits = self.manager.lookup(req)
+            if hits is None or admitted:
+                # an admission above may have evicted blocks an earlier lookup returned
+                hits = self.manager.lookup(req)
             if self.manager.inflight_owner(req, len(hits)) is not None:
                 continue  # its next block is being computed right now: reuse it next step
             num_computed = len(hits) * self.block_size
