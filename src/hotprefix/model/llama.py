@@ -42,6 +42,25 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype):
+    """(pack, linear): on CPU in fp32, weights prepacked for oneDNN, whose GEMV streams weights
+    about twice as fast as the default BLAS path on this class of CPU; elsewhere plain F.linear.
+    The oneDNN path is probed once and skipped if this torch build lacks it."""
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        try:
+            w = torch.randn(8, 4)
+            x = torch.randn(3, 4)
+            if torch.allclose(_onednn_linear(x, w.to_mkldnn(), None), F.linear(x, w), atol=1e-5):
+                return (lambda t: t.contiguous().to_mkldnn()), _onednn_linear
+        except (AttributeError, RuntimeError):
+            pass
+    return (lambda t: t), F.linear
+
+
 class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
@@ -53,9 +72,11 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
+        pack, self.linear = pick_linear(device, dtype)
+
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = pack(self.embed if arch.tie_word_embeddings else take("lm_head.weight"))
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -63,12 +84,12 @@ class LlamaModel:
             layer = {
                 "in_norm": take(p + "input_layernorm.weight"),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": qkv.to(device=device, dtype=dtype).contiguous(),
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([weights[p + "mlp.gate_proj.weight"],
-                                      weights[p + "mlp.up_proj.weight"]], 0)
-                .to(device=device, dtype=dtype).contiguous(),
-                "down": take(p + "mlp.down_proj.weight"),
+                "qkv": pack(qkv.to(device=device, dtype=dtype)),
+                "o": pack(take(p + "self_attn.o_proj.weight")),
+                "gate_up": pack(torch.cat([weights[p + "mlp.gate_proj.weight"],
+                                           weights[p + "mlp.up_proj.weight"]], 0)
+                                .to(device=device, dtype=dtype)),
+                "down": pack(take(p + "mlp.down_proj.weight")),
                 "qkv_bias": None,
             }
             if arch.attention_bias:
@@ -102,7 +123,7 @@ class LlamaModel:
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = self.linear(x, layer["qkv"], layer["qkv_bias"])
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # RoPE on queries and keys together: one set of ops instead of two
             qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
@@ -110,11 +131,11 @@ class LlamaModel:
             v = v.view(n, a.num_kv_heads, a.head_dim)
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(o.reshape(n, self.q_size), layer["o"])
+            h = h + self.linear(o.reshape(n, self.q_size), layer["o"], None)
             x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = self.linear(x, layer["gate_up"], None).chunk(2, dim=-1)
+            h = h + self.linear(F.silu(gate) * up, layer["down"], None)
         if logits_rows is not None:
             h = h[logits_rows]
         h = _rms_norm(h, self.norm, a.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.linear(h, self.lm_head, None).float()
