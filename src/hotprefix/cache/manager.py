@@ -347,8 +347,7 @@ class KVCacheManager:
 
     def snapshot(self) -> dict[str, Any]:
         p, s = self.pool, self.stats
-        import time as _t
-        now = _t.monotonic()
+        now = p.clock()
         recent = [t for t in p.eviction_times if now - t <= 60.0]
         return {
             "enabled": self.enabled,

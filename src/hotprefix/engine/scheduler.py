@@ -65,7 +65,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     # ------------------------------------------------------------------ intake
-    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check(self, num_prompt_tokens: int) -> None:
         """Raise RequestRejected if a request of this size can never be served."""
         if num_prompt_tokens < 1:
             raise RequestRejected("the prompt is empty")
@@ -79,7 +79,7 @@ class Scheduler:
                 f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory")
 
     def add(self, req: Request) -> None:
-        self.check(req.num_prompt_tokens, req.params.max_tokens)
+        self.check(req.num_prompt_tokens)
         req.status = Status.WAITING
         self.waiting.append(req)
 
