@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotprefix.cache.manager import common_prefix_len
 from hotprefix.lint import find_volatile
 from hotprefix.tokenizer import Tokenizer
 
@@ -40,9 +41,7 @@ def explain(report: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
             break
     if guess is None:
         # the differing run of characters itself: digits-only looks like a counter or random number
-        i = 0
-        while i < min(len(sent), len(cached)) and sent[i] == cached[i]:
-            i += 1
+        i = common_prefix_len(sent, cached)
         a, b = sent[i:i + 8], cached[i:i + 8]
         if a[:1].isdigit() and b[:1].isdigit():
             guess = "number"

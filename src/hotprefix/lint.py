@@ -41,6 +41,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn, Sequence
 
+from hotprefix.cache.manager import common_prefix_len
 from hotprefix.config import CacheConfig
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
@@ -482,15 +483,7 @@ def token_index(tok: Tokenizer, prompt: Prompt, char_offset: int) -> int:
     prefix of the prompt's ids and the ids of its text up to that character.
     """
     head = tok.encode(prompt.text[:char_offset], add_special_tokens=prompt.add_special_tokens)
-    return _common_prefix(head, prompt.token_ids)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return common_prefix_len(head, prompt.token_ids)
 
 
 # =============================================================================== findings
@@ -645,7 +638,7 @@ def sample_findings(prompts: list[Prompt], block_size: int) -> tuple[list[Findin
     }
     shared = len(prompts[0].token_ids)
     for p in prompts[1:]:
-        shared = min(shared, _common_prefix(prompts[0].token_ids, p.token_ids))
+        shared = min(shared, common_prefix_len(prompts[0].token_ids, p.token_ids))
     stats["shared_prefix_tokens"] = shared
     stats["shared_prefix_blocks"] = shared // block_size
 
@@ -667,11 +660,11 @@ def sample_findings(prompts: list[Prompt], block_size: int) -> tuple[list[Findin
         if len(variants) < 2:
             continue
         other = next(p for p in g if p.system_text != ref.system_text)
-        token = _common_prefix(ref.token_ids, other.token_ids)
-        group_shared = min(_common_prefix(ref.token_ids, p.token_ids) for p in g)
+        token = common_prefix_len(ref.token_ids, other.token_ids)
+        group_shared = min(common_prefix_len(ref.token_ids, p.token_ids) for p in g)
         block, lost, blocks_lost = _cost(len(other.token_ids), token, block_size)
         a, b = ref.system_text or "", other.system_text or ""
-        at = _common_prefix([ord(c) for c in a], [ord(c) for c in b])  # type: ignore[arg-type]
+        at = common_prefix_len(a, b)
         line, col, path = other.sample.line, None, None
         sys_fields = [f for f in other.sample.fields if f.role == "system"]
         if sys_fields and other.system_text is not None:
@@ -791,7 +784,7 @@ def check_drift(paths: Sequence[str], tok_a: Tokenizer, tok_b: Tokenizer, block_
                     blocks_lost=len(ids_a or ids_b or []) // block_size,
                     message=f"tokenizer_drift in {where}: {err_a or err_b}"))
                 continue
-            diff = _common_prefix(ids_a, ids_b)
+            diff = common_prefix_len(ids_a, ids_b)
             full_a, full_b = len(ids_a) // block_size, len(ids_b) // block_size
             same_blocks = min(diff // block_size, full_a, full_b)
             identical = ids_a == ids_b

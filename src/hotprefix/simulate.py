@@ -98,6 +98,15 @@ class SimResult:
     def token_hit_ratio(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def add_request(self, r: "TraceRequest", hit_blocks: int) -> None:
+        """Count one replayed request that hit its first ``hit_blocks`` blocks."""
+        self.num_requests += 1
+        self.prompt_blocks += r.num_prompt_tokens // self.block_size
+        self.hit_blocks += hit_blocks
+        self.prompt_tokens += r.num_prompt_tokens
+        self.hit_tokens += hit_blocks * self.block_size
+        self.zero_hit_requests += hit_blocks == 0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "policy": self.policy, "capacity_tokens": self.capacity_tokens,
@@ -326,7 +335,7 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
         hits = mgr.lookup(creq)
         h = len(hits)
         n_tokens = r.num_tokens
-        free = pool.num_free - sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in pool.pinned)
+        free = mgr.num_free_after(hits)
         if math.ceil(n_tokens / bs) - h > free:  # larger than the pool: write what fits
             n_tokens = (h + free) * bs
             res.truncated_requests += 1
@@ -334,12 +343,7 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
             raise RuntimeError(f"request {i}: the pool refused {n_tokens} tokens")
         mgr.commit(creq, n_tokens)
         mgr.free(creq)
-        res.num_requests += 1
-        res.prompt_blocks += r.num_prompt_tokens // bs
-        res.hit_blocks += h
-        res.prompt_tokens += r.num_prompt_tokens
-        res.hit_tokens += h * bs
-        res.zero_hit_requests += h == 0
+        res.add_request(r, h)
         if keep_per_request:
             res.per_request_hits.append(h)
     res.evictions = pool.num_evictions
@@ -364,12 +368,7 @@ def ceiling(reqs: Sequence[TraceRequest], block_size: int,
             new = ks[h:r.num_tokens // block_size]
             res.written_blocks += sum(1 for k in new if k not in seen)
             seen.update(new)
-        res.num_requests += 1
-        res.prompt_blocks += r.num_prompt_tokens // block_size
-        res.hit_blocks += h
-        res.prompt_tokens += r.num_prompt_tokens
-        res.hit_tokens += h * block_size
-        res.zero_hit_requests += h == 0
+        res.add_request(r, h)
     res.capacity_tokens = len(seen) * block_size
     res.seconds = time.perf_counter() - t0
     return res

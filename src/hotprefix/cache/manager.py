@@ -21,7 +21,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from hotprefix.cache.block_pool import AdmitInfo, BlockPool, KVBlock
 from hotprefix.cache.hashing import BlockHasher, BlockKey
@@ -136,14 +136,18 @@ class KVCacheManager:
         return owner if owner is not None and owner != req.request_id else None
 
     # ------------------------------------------------------------------ allocate / commit / free
+    def num_free_after(self, hits: Sequence[KVBlock] = ()) -> int:
+        """Blocks an allocation could take once ``hits`` are referenced (an evictable hit stops
+        being free; a pinned free block was never counted in ``num_free``)."""
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in self.pool.pinned)
+        return self.pool.num_free - evictable_hits
+
     def can_allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
                      hits: list[KVBlock] = ()) -> bool:
         st = self._reqs.get(req.request_id)
         held = len(st.blocks) if st else 0
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - held - len(hits)
-        # hits that are evictable now (a pinned free block is not counted in num_free)
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in self.pool.pinned)
-        return need <= self.pool.num_free - evictable_hits
+        return need <= self.num_free_after(hits)
 
     def allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
                  hits: list[KVBlock] = ()) -> bool:
@@ -308,7 +312,7 @@ class KVCacheManager:
             sent = req.token_ids[pos:pos + bs]
             best, common = None, -1
             for b in siblings:
-                c = _common_prefix(sent, b.token_ids or ())
+                c = common_prefix_len(sent, b.token_ids or ())
                 if c > common:
                     best, common = b, c
             n = pos + common
@@ -383,10 +387,10 @@ class KVCacheManager:
                 for b in blocks[:n] if b.num_hits > 0]
 
 
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (token ids, characters)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
     return n
