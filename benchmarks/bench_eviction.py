@@ -4,6 +4,7 @@ Prints, in one run:
   * block hit ratio at 1M, 3M and 8M tokens of KV capacity for LRU, every other registered policy,
     Belady's MIN and the infinite-cache ceiling, all replayed through the real cache code
     (``hotprefix.simulate.replay``: KVCacheManager + BlockPool + the registered policy);
+  * the default policy against LRU at 12 more capacities from 0.5M to 60M tokens (never below?);
   * a synthetic mix: a shared 2k-token system prompt, then a burst of single-use 30k-token
     documents, then the system prompt again: does it still hit?
   * (with ``--sweep``) the miss-ratio curve, written to benchmarks/results/eviction_mrc.{png,json}.
@@ -32,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 RESULTS = os.path.join(HERE, "results")
 CAPS = (1_000_000, 3_000_000, 8_000_000)
+DENSE = (500_000, 2_000_000, 5_000_000, 11_000_000, 14_000_000, 17_000_000, 20_000_000, 23_000_000,
+         26_000_000, 35_000_000, 48_000_000, 60_000_000)
 
 
 def scan_mix(block_size: int = 16, warm: int = 20, docs: int = 40, doc_tokens: int = 30_000,
@@ -91,8 +94,16 @@ def main(argv: list[str] | None = None) -> int:
           + f"   (needs {ceil.capacity_tokens / 1e6:.1f}M tokens)")
     dflt = sim.default_policy()
     beats = all(d >= l for d, l in zip(table[dflt], table["lru"]))
-    print(f"\ndefault ({dflt}) >= LRU at every capacity: {beats}; at 3M: {table[dflt][1]:.4f} "
+    print(f"\ndefault ({dflt}) >= LRU at 1M/3M/8M: {beats}; at 3M: {table[dflt][1]:.4f} "
           f"(target 0.25; LRU {table['lru'][1]:.4f}, MIN {table['min'][1]:.4f})")
+    print(f"default - LRU at {len(DENSE)} more capacities (M tokens):")
+    dense = {}
+    for c in DENSE:
+        d, l = (sim.replay(reqs, c, p, bs, keys=keys).block_hit_ratio for p in (dflt, "lru"))
+        dense[c] = (d, l)
+        print(f"  {c / 1e6:5.1f}M  {dflt} {d:.5f}  lru {l:.5f}  margin {d - l:+.5f}", flush=True)
+    beats_dense = beats and all(d >= l for d, l in dense.values())
+    print(f"default >= LRU at all {len(CAPS) + len(DENSE)} capacities: {beats_dense}")
 
     print("\nscan mix (16-token blocks, 256k-token pool): 2k-token system prompt x20, then 40 "
           "single-use 30k-token documents, then the system prompt again")
@@ -109,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"trace": os.path.basename(args.trace), "block_size": bs, "capacities_tokens": list(CAPS),
            "block_hit_ratio": {k: [round(x, 6) for x in v] for k, v in table.items()},
            "seconds": {k: round(v, 1) for k, v in secs.items()}, "default_policy": dflt,
-           "default_beats_lru_everywhere": beats, "scan_mix": scan}
+           "default_beats_lru_everywhere": beats_dense,
+           "dense_default_vs_lru": {str(c): [round(d, 6), round(l, 6)] for c, (d, l) in dense.items()},
+           "scan_mix": scan}
     if args.sweep:
         print("\nmiss-ratio curve (block hit ratio by capacity):")
         mrc = sim.sweep(reqs, bs, sorted({"lru", dflt}), points=12)

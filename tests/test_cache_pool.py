@@ -295,3 +295,38 @@ def test_cache_write_false_writes_nothing():
     run_prefill(m, r)
     m.free(r)
     assert m.pool.num_cached == 0 and r.cache_report["written_blocks"] == 0
+
+
+def test_freq_credit_lapses_past_the_learned_reuse_window():
+    """freq learns the reuse gaps it sees; a block idle past that window loses its credit, and the
+    oldest such block goes first (LRU), while inside the window the frequency credit decides."""
+    from hotprefix.cache.eviction import FreqCreditPolicy
+
+    class SmallCredit(FreqCreditPolicy):
+        credit_requests = 4.0  # also the window's floor
+
+    pol = SmallCredit(4)
+    m = KVCacheManager(BlockPool(4, BS, pol), BlockHasher(NS, BS))
+    assert pol.credit_window == float("inf")  # nothing observed yet: plain frequency credit
+    hot = list(range(5))  # one full block (the 5th token is never cached)
+    for i in range(300):  # re-referenced every request: 299 gaps of one request
+        r = req(f"hot{i}", hot)
+        run_prefill(m, r)
+        m.free(r)
+    assert pol.credit_window == 4.0  # the gaps are ~1 request; the floor holds
+    hot_block = m.pool.lookup(m.hasher.keys(hot)[0])
+    cold = req("cold", range(100, 105))  # one new block, count 1, freed after the hot one
+    run_prefill(m, cold)
+    m.free(cold)
+    cold_block = m.pool.lookup(m.hasher.keys(list(range(100, 105)))[0])
+    # idle 1 request: inside the window the hot block's credit (4*log2(300)) protects it
+    assert pol.order()[:2] == [cold_block.block_id, hot_block.block_id]
+    for i in range(4):  # 4 more requests that allocate nothing cached: both idle > 4 requests
+        r = req(f"tiny{i}", range(200 + i, 202 + i))
+        m.allocate(r, 2, 0)
+        m.free(r)
+    assert pol.order()[:2] == [hot_block.block_id, cold_block.block_id]  # oldest first now
+    m.pool.allocate(2)  # the two empty blocks
+    victim = m.pool.allocate(1)[0]
+    assert victim.block_id == hot_block.block_id and m.pool.lookup(m.hasher.keys(hot)[0]) is None
+    m.pool.check_invariants()

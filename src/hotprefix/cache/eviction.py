@@ -127,6 +127,14 @@ class FreqCreditPolicy(EvictionPolicy):
     * A FIFO history of ``history_mult * num_blocks`` evicted keys remembers their counts, so a
       prefix that comes back after an eviction is not treated as new (a ghost list; a count-min
       sketch would be a cheaper substitute at very large pools).
+    * The credit lapses with age: the policy measures the reuse gaps it sees (requests between a
+      block's last free and its next reference, from hits and from evicted keys that come back)
+      and keeps their ``credit_window_quantile`` as the *credit window* (never below
+      ``credit_requests``). A block idle for longer than the window is past the horizon in which
+      most re-references happen, and there recency alone predicts better than the count: the
+      oldest such block is evicted first, whatever its credit (blocks with a retention priority
+      above 0 excepted). In a small pool the victims are young and the credit decides; in a large
+      one the policy turns into LRU, where a frequency credit only keeps dead prefixes.
     """
 
     name = "freq"
@@ -134,6 +142,12 @@ class FreqCreditPolicy(EvictionPolicy):
     """Credit, in requests, per doubling of a block's reference count."""
     history_mult: ClassVar[int] = 8
     """Evicted keys remembered, as a multiple of the pool's block count."""
+    credit_window_quantile: ClassVar[float] = 0.9
+    """Quantile of the observed reuse gaps past which a block's frequency credit lapses."""
+    gap_samples_half_life: ClassVar[int] = 4096
+    """Reuse-gap samples after which older samples weigh half (the window follows the workload)."""
+    _GAP_BUCKETS_PER_OCTAVE: ClassVar[int] = 8
+    _GAP_BUCKETS: ClassVar[int] = 8 * 40
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
@@ -146,15 +160,40 @@ class FreqCreditPolicy(EvictionPolicy):
         self._block: list["KVBlock | None"] = [None] * num_blocks
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
-        self._history: OrderedDict[bytes, int] = OrderedDict()
+        self._history: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (count, t_free)
         self._history_size = self.history_mult * num_blocks
+        self._t_free = [0] * num_blocks      # request counter when the block last became evictable
+        self._by_age: OrderedDict[int, None] = OrderedDict()  # evictable, priority <= 0, free order
+        self._gap_hist = [0.0] * self._GAP_BUCKETS
+        self._gap_samples = 0
+        self.credit_window = math.inf
+        """Requests of idleness after which a block's credit no longer protects it (learned)."""
+
+    def _observe_gap(self, gap: int) -> None:
+        b = min(self._GAP_BUCKETS - 1, int(self._GAP_BUCKETS_PER_OCTAVE * math.log2(1 + max(0, gap))))
+        self._gap_hist[b] += 1.0
+        self._gap_samples += 1
+        if self._gap_samples % self.gap_samples_half_life == 0:
+            self._gap_hist = [x * 0.5 for x in self._gap_hist]
+        if self._gap_samples % 256 == 0:
+            want = self.credit_window_quantile * sum(self._gap_hist)
+            acc = 0.0
+            for i, x in enumerate(self._gap_hist):
+                acc += x
+                if acc >= want:
+                    edge = 2.0 ** ((i + 1) / self._GAP_BUCKETS_PER_OCTAVE) - 1
+                    self.credit_window = max(self.credit_requests, edge)
+                    break
 
     def on_request(self) -> None:
         self.now += 1
 
     def on_cached(self, block: "KVBlock", info: "AdmitInfo") -> None:
         bid = block.block_id
-        self._count[bid] = self._history.pop(block.key, 0) + 1
+        count, t_free = self._history.pop(block.key, (0, -1))
+        if t_free >= 0:
+            self._observe_gap(self.now - t_free)
+        self._count[bid] = count + 1
         self._last[bid] = self.now
 
     def on_hit(self, block: "KVBlock") -> None:
@@ -171,41 +210,50 @@ class FreqCreditPolicy(EvictionPolicy):
             self._live[bid] = True
             self._num_live += 1
             self._block[bid] = block
+        self._t_free[bid] = self.now
+        self._by_age.pop(bid, None)
+        if block.priority <= 0:
+            self._by_age[bid] = None
         credit = self.credit_requests * (math.log2(self._count[bid] or 1) + block.priority)
         self._seq += 1
         heapq.heappush(self._heap, (self.now + credit, -block.depth, self._seq, bid, v))
         if len(self._heap) > 4 * self._num_live + 1024:
             self._compact()
 
-    def on_use(self, block: "KVBlock") -> None:
-        bid = block.block_id
+    def _leave(self, bid: int) -> None:
+        """The block leaves the evictable set (its heap entry goes stale)."""
         self._ver[bid] += 1
         if self._live[bid]:
             self._live[bid] = False
             self._num_live -= 1
             self._block[bid] = None
+            self._by_age.pop(bid, None)
+
+    def on_use(self, block: "KVBlock") -> None:
+        bid = block.block_id
+        if self._live[bid]:  # an idle cached block is referenced again: one reuse gap
+            self._observe_gap(self.now - self._t_free[bid])
+        self._leave(bid)
 
     def evict(self) -> "KVBlock":
-        heap, ver = self._heap, self._ver
-        while True:
-            _, _, _, bid, v = heapq.heappop(heap)
-            if ver[bid] == v and self._live[bid]:
-                break
-        self._ver[bid] = v + 1
-        self._live[bid] = False
-        self._num_live -= 1
+        bid = next(iter(self._by_age), -1)
+        if bid < 0 or self.now - self._t_free[bid] <= self.credit_window:
+            heap, ver = self._heap, self._ver
+            while True:
+                _, _, _, bid, v = heapq.heappop(heap)
+                if ver[bid] == v and self._live[bid]:
+                    break
         block = self._block[bid]
         assert block is not None
-        self._block[bid] = None
+        self._leave(bid)
         if self._history_size and block.key is not None:
-            self._history[block.key] = self._count[bid]
+            self._history[block.key] = (self._count[bid], self._t_free[bid])
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
         return block
 
     def on_removed(self, block: "KVBlock") -> None:
-        self.on_use(block)
-        self._block[block.block_id] = None
+        self._leave(block.block_id)
 
     def _compact(self) -> None:
         ver, live = self._ver, self._live
@@ -215,7 +263,10 @@ class FreqCreditPolicy(EvictionPolicy):
     def order(self) -> list[int]:
         """Block ids in eviction order (first = next victim); for tests and debugging."""
         ver, live = self._ver, self._live
-        return [e[3] for e in sorted(self._heap) if live[e[3]] and ver[e[3]] == e[4]]
+        lapsed = [b for b in self._by_age if self.now - self._t_free[b] > self.credit_window]
+        skip = set(lapsed)
+        return lapsed + [e[3] for e in sorted(self._heap)
+                         if live[e[3]] and ver[e[3]] == e[4] and e[3] not in skip]
 
     def __len__(self) -> int:
         return self._num_live
