@@ -10,12 +10,22 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hotprefix.cache.block_pool import BlockPool
-from hotprefix.cache.eviction import POLICIES
+from hotprefix.cache.eviction import POLICIES, FreqCreditPolicy
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 
 BS = 4
 VOCAB = 3  # tiny vocabulary so prefixes collide often
+
+
+class EagerWindowFreq(FreqCreditPolicy):
+    """freq with a credit window learned after every reuse gap, from a low quantile, with a
+    half-request floor, so the lapsed-credit eviction path runs within a few steps."""
+
+    credit_requests = 0.5
+    credit_window_quantile = 0.05
+    window_update_every = 1
+    gap_samples_half_life = 8
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -25,10 +35,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.live: dict[str, tuple[CacheRequest, int]] = {}  # id -> (req, num_computed)
         self.n = 0
 
-    @rule(num_blocks=st.integers(4, 24), policy=st.sampled_from(sorted(POLICIES)))
+    @rule(num_blocks=st.integers(4, 24), policy=st.sampled_from(sorted(POLICIES) + ["eager-window"]))
     @precondition(lambda self: self.manager is None)
     def setup(self, num_blocks, policy):
-        pool = BlockPool(num_blocks, BS, policy, ghost_size=16)
+        pol = EagerWindowFreq(num_blocks) if policy == "eager-window" else policy
+        pool = BlockPool(num_blocks, BS, pol, ghost_size=16)
         self.manager = KVCacheManager(pool, BlockHasher(namespace_key("m", "t"), BS))
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
@@ -128,3 +139,24 @@ def test_cached_tokens_equal_longest_common_full_block_prefix(prompts):
         m.free(r)
         seen.append(p)
     assert m.pool.num_in_use == 0
+
+
+@given(st.integers(4, 32), st.sampled_from(["lru", "freq", "eager-window"]),
+       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=24), min_size=1, max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_eviction_never_strands_a_cached_block_behind_a_missing_parent(num_blocks, policy, prompts):
+    """Requests one at a time: every policy (freq with a lapsing credit included) evicts leaves
+    before their ancestors, so a cached block's parent is always cached."""
+    pol = EagerWindowFreq(num_blocks) if policy == "eager-window" else policy
+    m = KVCacheManager(BlockPool(num_blocks, BS, pol), BlockHasher(namespace_key("m", "t"), BS))
+    for i, toks in enumerate(prompts):
+        r = CacheRequest(f"r{i}", list(toks), len(toks))
+        hits = m.lookup(r)
+        n_hit = len(hits) * BS
+        if not m.allocate(r, len(toks) - n_hit, n_hit, hits):
+            continue  # larger than the pool
+        m.commit(r, len(toks))
+        m.free(r)
+        for blk in m.pool.index.values():
+            assert blk.depth == 0 or blk.parent in m.pool.index, f"{policy}: stranded block"
+        m.pool.check_invariants()

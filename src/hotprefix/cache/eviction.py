@@ -146,6 +146,8 @@ class FreqCreditPolicy(EvictionPolicy):
     """Quantile of the observed reuse gaps past which a block's frequency credit lapses."""
     gap_samples_half_life: ClassVar[int] = 4096
     """Reuse-gap samples after which older samples weigh half (the window follows the workload)."""
+    window_update_every: ClassVar[int] = 256
+    """Reuse-gap samples between two recomputations of the credit window (none before the first)."""
     _GAP_BUCKETS_PER_OCTAVE: ClassVar[int] = 8
     _GAP_BUCKETS: ClassVar[int] = 8 * 40
 
@@ -175,7 +177,7 @@ class FreqCreditPolicy(EvictionPolicy):
         self._gap_samples += 1
         if self._gap_samples % self.gap_samples_half_life == 0:
             self._gap_hist = [x * 0.5 for x in self._gap_hist]
-        if self._gap_samples % 256 == 0:
+        if self._gap_samples % self.window_update_every == 0:
             want = self.credit_window_quantile * sum(self._gap_hist)
             acc = 0.0
             for i, x in enumerate(self._gap_hist):
