@@ -314,6 +314,8 @@ def test_freq_credit_lapses_past_the_learned_reuse_window():
         run_prefill(m, r)
         m.free(r)
     assert pol.credit_window == 4.0  # the gaps are ~1 request; the floor holds
+    assert m.snapshot()["eviction_policy_state"] == {
+        "credit_requests": 4.0, "credit_window_requests": 4.0, "reuse_gaps_observed": 299}
     hot_block = m.pool.lookup(m.hasher.keys(hot)[0])
     cold = req("cold", range(100, 105))  # one new block, count 1, freed after the hot one
     run_prefill(m, cold)

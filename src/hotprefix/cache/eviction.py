@@ -73,6 +73,10 @@ class EvictionPolicy(ABC):
     def on_request(self) -> None:
         """A request was admitted (its first allocation); policies may use it as a clock."""
 
+    def describe(self) -> dict[str, float | int | None]:
+        """What the policy has learned, for the cache stats (JSON-safe)."""
+        return {}
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable blocks."""
@@ -189,6 +193,12 @@ class FreqCreditPolicy(EvictionPolicy):
 
     def on_request(self) -> None:
         self.now += 1
+
+    def describe(self) -> dict[str, float | int | None]:
+        w = self.credit_window
+        return {"credit_requests": self.credit_requests,
+                "credit_window_requests": None if math.isinf(w) else round(w, 1),
+                "reuse_gaps_observed": self._gap_samples}
 
     def on_cached(self, block: "KVBlock", info: "AdmitInfo") -> None:
         bid = block.block_id

@@ -373,6 +373,7 @@ class KVCacheManager:
             "evictions": p.num_evictions,
             "evictions_per_second": len(recent) / 60.0,
             "eviction_policy": p.policy.name,
+            "eviction_policy_state": p.policy.describe(),
             "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
             "miss_share_by_reason": s.miss_breakdown(),
             "requests_by_reason": dict(s.requests_by_reason),
