@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, "admission_bound.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"\nwrote {path}; total {time.perf_counter() - t_start:.0f}s")
+    print(f"\nwrote {os.path.relpath(path)}; total {time.perf_counter() - t_start:.0f}s")
     return 0
 
 

@@ -141,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         sim.plot_mrc(mrc, os.path.join(args.out, "eviction_mrc.png"),
                      f"Mooncake conversation trace ({bs}-token blocks)")
         out["mrc"] = "eviction_mrc.json"
-        print(f"  wrote {os.path.join(args.out, 'eviction_mrc.png')}")
+        print(f"  wrote {os.path.relpath(os.path.join(args.out, 'eviction_mrc.png'))}")
     with open(os.path.join(args.out, "eviction.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"\nwrote {os.path.join(args.out, 'eviction.json')}; total {time.perf_counter() - t_start:.0f}s")
+    print(f"\nwrote {os.path.relpath(os.path.join(args.out, 'eviction.json'))}; total {time.perf_counter() - t_start:.0f}s")
     return 0
 
 
