@@ -29,7 +29,6 @@ Block size 512 (one Mooncake hash id per block), as ``bench_eviction.py``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -37,24 +36,18 @@ import random
 import sys
 import time
 
+import common
 from hotprefix import simulate as sim
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
-RESULTS = os.path.join(HERE, "results")
 BS = 512
 FEATURES = ["prompt_blocks", "new_blocks", "cached_prefix_blocks", "turn", "requests_since_prev_turn",
             "seconds_since_prev_turn", "output_tokens", "prompt_tokens_mod_block"]
 
 
-def request_facts(path: str, keys: list[list]) -> tuple[list[bool], list[list[float]]]:
+def request_facts(raw: list[dict], keys: list[list]) -> tuple[list[bool], list[list[float]]]:
     """Per request: does any block it adds to an infinite cache come back later (the oracle's
     label), and the features an engine with an unbounded key history knows at admission."""
-    raw = [json.loads(line) for line in open(path) if line.strip()]
-    occ: dict = {}
-    for i, ks in enumerate(keys):
-        for k in ks:
-            occ.setdefault(k, []).append(i)
+    nxt = sim.next_uses(keys)
     creator: dict = {}
     turn = [0] * len(keys)
     labels, feats = [], []
@@ -62,8 +55,8 @@ def request_facts(path: str, keys: list[list]) -> tuple[list[bool], list[list[fl
         known = 0
         while known < len(ks) and ks[known] in creator:
             known += 1
-        new = [k for k in ks if k not in creator]
-        labels.append(any(occ[k][-1] > i for k in new))
+        new = [j for j, k in enumerate(ks) if k not in creator]
+        labels.append(any(nxt[i][j] != sim.INF for j in new))
         prev = creator[ks[known - 1]] if known >= 2 else None   # block 0 is shared by every request
         if prev is not None:
             turn[i] = turn[prev] + 1
@@ -87,34 +80,17 @@ def with_writes(reqs, write: list[bool]):
     return [dataclasses.replace(r, cache_write=w) for r, w in zip(reqs, write)]
 
 
-def roc_auc(y: list[bool], s: list[float]) -> float:
-    """Mann-Whitney AUC with ties counted half."""
-    order = sorted(range(len(s)), key=lambda i: s[i])
-    ranks = [0.0] * len(s)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and s[order[j + 1]] == s[order[i]]:
-            j += 1
-        for t in range(i, j + 1):
-            ranks[order[t]] = (i + j) / 2 + 1
-        i = j + 1
-    pos = sum(y)
-    neg = len(y) - pos
-    return (sum(r for r, t in zip(ranks, y) if t) - pos * (pos + 1) / 2) / (pos * neg)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=TRACE)
+    ap = common.trace_parser(__doc__)
     ap.add_argument("--capacity-tokens", type=int, default=3_000_000)
-    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cap = args.capacity_tokens
-    reqs = sim.load_trace(args.trace, BS)
+    with open(args.trace) as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    reqs = [sim.parse_request(obj, BS) for obj in raw]
     keys = sim.request_keys(reqs, BS)
-    labels, feats = request_facts(args.trace, keys)
+    labels, feats = request_facts(raw, keys)
     dflt = sim.default_policy()
     n = len(reqs)
     out: dict = {"trace": os.path.basename(args.trace), "capacity_tokens": cap, "block_size": BS,
@@ -148,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from sklearn.ensemble import HistGradientBoostingClassifier
+        from sklearn.metrics import roc_auc_score
     except ImportError:
         print("\n3-4. skipped: scikit-learn is not installed (.venv/bin/pip install scikit-learn)")
         HistGradientBoostingClassifier = None
@@ -166,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return list(clf.predict_proba([[f[c] for c in cols] for f in feats])[:, 1])
 
         def auc(score: list[float]) -> float:
-            return round(roc_auc([labels[i] for i in te], [score[i] for i in te]), 3)
+            return round(float(roc_auc_score([labels[i] for i in te], [score[i] for i in te])), 3)
 
         for c, name in enumerate(FEATURES):
             aucs[name] = auc(fit_score([c]))
@@ -176,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {'all features':26s} {aucs['all features']:.3f}")
         out["out_of_sample_auc"] = aucs
 
-        print(f"\n4. second half of the trace, block hit ratio; that classifier decides which "
-              f"requests write (first half writes everything)")
+        print("\n4. second half of the trace, block hit ratio; that classifier decides which "
+              "requests write (first half writes everything)")
         learned = {"lru": round(hit_ratio(reqs, cap, "lru", half), 4),
                    dflt: round(hit_ratio(reqs, cap, dflt, half), 4)}
         print(f"   lru, write everything           {learned['lru']:.4f}")

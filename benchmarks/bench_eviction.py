@@ -20,18 +20,15 @@ about 2 minutes per policy and capacity).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
+import common
 from hotprefix import simulate as sim
 from hotprefix.simulate import TraceRequest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
-RESULTS = os.path.join(HERE, "results")
 CAPS = (1_000_000, 3_000_000, 8_000_000)
 DENSE = (500_000, 2_000_000, 5_000_000, 11_000_000, 14_000_000, 17_000_000, 20_000_000, 23_000_000,
          26_000_000, 35_000_000, 48_000_000, 60_000_000)
@@ -62,11 +59,9 @@ def scan_mix(block_size: int = 16, warm: int = 20, docs: int = 40, doc_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=TRACE)
+    ap = common.trace_parser(__doc__)
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--sweep", action="store_true", help="also write the miss-ratio curve")
-    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()

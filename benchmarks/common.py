@@ -18,6 +18,18 @@ import time
 from typing import Any, Callable, Sequence
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MOONCAKE_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+                              "traces", "mooncake_conversation_trace.jsonl")
+
+
+def trace_parser(description: str) -> argparse.ArgumentParser:
+    """Parser of the trace-replay benchmarks: ``--trace`` (Mooncake conversation trace) and
+    ``--out`` (results folder)."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=MOONCAKE_TRACE)
+    p.add_argument("--out", default=RESULTS_DIR, help="results folder (default benchmarks/results)")
+    return p
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -154,13 +166,6 @@ def question_tokens(tokenizer, n: int, seed: int) -> list[int]:
                                           w=rng.choice(_WHEN))
         ids.extend(tokenizer.encode(" " + q, add_special_tokens=False))
     return ids[:n]
-
-
-def question_text(seed: int, n_questions: int = 3) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_QUESTIONS).format(s=rng.choice(_SUBJECTS).lower(),
-                                                  o=rng.choice(_OBJECTS), w=rng.choice(_WHEN))
-                    for _ in range(n_questions))
 
 
 # --------------------------------------------------------------------------- output

@@ -4,7 +4,6 @@ Llama in a Hugging Face directory (fast engine tests)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

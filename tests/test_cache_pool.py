@@ -33,6 +33,13 @@ def run_prefill(m: KVCacheManager, r: CacheRequest) -> list:
     return hits
 
 
+def finish(m: KVCacheManager, r: CacheRequest) -> list:
+    """``run_prefill`` then end the request (its blocks become evictable)."""
+    hits = run_prefill(m, r)
+    m.free(r)
+    return hits
+
+
 def test_cache_module_imports_no_torch():
     import subprocess
     code = ("import sys, hotprefix.cache.manager, hotprefix.cache.eviction, hotprefix.cache.block_pool;"
@@ -96,8 +103,7 @@ def test_exact_block_ids_and_hits():
 def test_last_token_always_computed():
     m = make(10)
     r1 = req("r1", range(8))
-    run_prefill(m, r1)
-    m.free(r1)
+    finish(m, r1)
     r2 = req("r2", range(8))  # identical, exactly 2 blocks
     hits = run_prefill(m, r2)
     assert len(hits) == 1  # 7 tokens max from cache -> 1 full block
@@ -109,11 +115,9 @@ def test_last_token_always_computed():
 def test_eviction_order_lru_tail_first():
     m = make(4)
     ra = req("a", range(100, 108))  # blocks 0,1
-    run_prefill(m, ra)
-    m.free(ra)
+    finish(m, ra)
     rb = req("b", range(200, 208))  # blocks 2,3
-    run_prefill(m, rb)
-    m.free(rb)
+    finish(m, rb)
     assert m.pool.policy.order() == [1, 0, 3, 2]
     rc = req("c", range(300, 307))  # needs 2 blocks: evicts a's tail (1) then a's root (0)
     run_prefill(m, rc)
@@ -132,11 +136,9 @@ def test_eviction_order_lru_tail_first():
 def test_hit_block_leaves_free_queue_and_returns_to_tail():
     m = make(6)
     r1 = req("r1", range(8))
-    run_prefill(m, r1)
-    m.free(r1)
+    finish(m, r1)
     r2 = req("r2", range(20, 28))
-    run_prefill(m, r2)
-    m.free(r2)
+    finish(m, r2)
     assert m.pool.policy.order() == [1, 0, 3, 2]
     r3 = req("r3", list(range(4)) + [50, 51, 52, 53, 54])
     run_prefill(m, r3)  # hits block 0 of r1
@@ -162,8 +164,7 @@ def test_allocate_fails_atomically():
 def test_hash_collision_is_a_miss():
     m = make(6)
     r1 = req("r1", range(9))
-    run_prefill(m, r1)
-    m.free(r1)
+    finish(m, r1)
     # forge: same key, different tokens -> lookup compares tokens and misses
     forged = req("r2", [7, 7, 7, 7, 1])
     forged.block_keys = [r1.block_keys[0]]
@@ -175,8 +176,7 @@ def test_reset_keeps_in_use_blocks():
     r1 = req("r1", range(9))
     run_prefill(m, r1)
     r2 = req("r2", range(50, 59))
-    run_prefill(m, r2)
-    m.free(r2)
+    finish(m, r2)
     out = m.reset()
     assert out == {"dropped_blocks": 2, "in_use_blocks_kept": 2}
     assert m.pool.num_cached == 2
@@ -220,8 +220,7 @@ def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
     path = str(tmp_path / "ledger.txt")
     m = KVCacheManager(BlockPool(20, BS), BlockHasher(NS, BS), True, ledger=ContentLedger(path))
     base = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-    run_prefill(m, r := req("a", base, salt="t1"))
-    m.free(r)
+    finish(m, req("a", base, salt="t1"))
     d = req("d", base[:5] + [99] + base[6:], salt="t1")
     run_prefill(m, d)
     assert d.cache_report["miss_reason"] == "diverged"
@@ -249,10 +248,8 @@ def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
 
 def test_stats_counts():
     m = make(10)
-    run_prefill(m, r := req("a", range(9)))
-    m.free(r)
-    run_prefill(m, r := req("b", range(9)))
-    m.free(r)
+    finish(m, req("a", range(9)))
+    finish(m, req("b", range(9)))
     s = m.snapshot()
     assert s["queries_tokens"] == 18 and s["hit_tokens"] == 8
     assert s["hit_rate"] == pytest.approx(8 / 18)
@@ -266,8 +263,7 @@ def test_pins_block_eviction_until_expiry():
     pool = BlockPool(4, BS, clock=lambda: now[0])
     m = KVCacheManager(pool, BlockHasher(NS, BS))
     sysp = req("sys", range(9), pin_ttl_s=10.0)
-    run_prefill(m, sysp)
-    m.free(sysp)
+    finish(m, sysp)
     assert pool.num_pinned_blocks == 2 and pool.num_free == 2  # 1 empty + partial block freed
     other = req("o", range(50, 62))  # needs 3 blocks, only 2 evictable/empty
     assert not m.allocate(other, 12, 0)
@@ -280,8 +276,7 @@ def test_pins_block_eviction_until_expiry():
 def test_admit_info_and_disabled_cache():
     m = make(6, enabled=False)
     r1 = req("a", range(9))
-    run_prefill(m, r1)
-    m.free(r1)
+    finish(m, r1)
     assert m.pool.num_cached == 0
     r2 = req("b", range(9))
     assert m.lookup(r2) == []
@@ -292,8 +287,7 @@ def test_admit_info_and_disabled_cache():
 def test_cache_write_false_writes_nothing():
     m = make(6)
     r = req("a", range(9), cache_write=False)
-    run_prefill(m, r)
-    m.free(r)
+    finish(m, r)
     assert m.pool.num_cached == 0 and r.cache_report["written_blocks"] == 0
 
 
@@ -310,16 +304,13 @@ def test_freq_credit_lapses_past_the_learned_reuse_window():
     assert pol.credit_window == float("inf")  # nothing observed yet: plain frequency credit
     hot = list(range(5))  # one full block (the 5th token is never cached)
     for i in range(300):  # re-referenced every request: 299 gaps of one request
-        r = req(f"hot{i}", hot)
-        run_prefill(m, r)
-        m.free(r)
+        finish(m, req(f"hot{i}", hot))
     assert pol.credit_window == 4.0  # the gaps are ~1 request; the floor holds
     assert m.snapshot()["eviction_policy_state"] == {
         "credit_requests": 4.0, "credit_window_requests": 4.0, "reuse_gaps_observed": 299}
     hot_block = m.pool.lookup(m.hasher.keys(hot)[0])
     cold = req("cold", range(100, 105))  # one new block, count 1, freed after the hot one
-    run_prefill(m, cold)
-    m.free(cold)
+    finish(m, cold)
     cold_block = m.pool.lookup(m.hasher.keys(list(range(100, 105)))[0])
     # idle 1 request: inside the window the hot block's credit (4*log2(300)) protects it
     assert pol.order()[:2] == [cold_block.block_id, hot_block.block_id]

@@ -116,6 +116,19 @@ TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, d
                                      suppress_health_check=[HealthCheck.too_slow])
 
 
+def serve(m: KVCacheManager, rid: str, tokens: list[int]) -> list | None:
+    """One request from lookup to free, its whole prompt in one step; the cache hits it got, or
+    None if the pool could not hold it."""
+    r = CacheRequest(rid, list(tokens), len(tokens))
+    hits = m.lookup(r)
+    n_hit = len(hits) * BS
+    if not m.allocate(r, len(tokens) - n_hit, n_hit, hits):
+        return None
+    m.commit(r, len(tokens))
+    m.free(r)
+    return hits
+
+
 @given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=15))
 @settings(max_examples=100, deadline=None)
 def test_cached_tokens_equal_longest_common_full_block_prefix(prompts):
@@ -124,19 +137,14 @@ def test_cached_tokens_equal_longest_common_full_block_prefix(prompts):
     m = KVCacheManager(BlockPool(400, BS), BlockHasher(namespace_key("m", "t"), BS))
     seen: list[list[int]] = []
     for i, p in enumerate(prompts):
-        r = CacheRequest(f"r{i}", list(p), len(p))
-        hits = m.lookup(r)
         expect = 0
         for q in seen:
             c = 0
             while c < min(len(p), len(q)) and p[c] == q[c]:
                 c += 1
             expect = max(expect, min(c, len(q), len(p) - 1) // BS)
-        assert len(hits) == expect
-        n = len(hits) * BS
-        assert m.allocate(r, len(p) - n, n, hits)
-        m.commit(r, len(p))
-        m.free(r)
+        hits = serve(m, f"r{i}", p)
+        assert hits is not None and len(hits) == expect
         seen.append(p)
     assert m.pool.num_in_use == 0
 
@@ -150,13 +158,8 @@ def test_eviction_never_strands_a_cached_block_behind_a_missing_parent(num_block
     pol = EagerWindowFreq(num_blocks) if policy == "eager-window" else policy
     m = KVCacheManager(BlockPool(num_blocks, BS, pol), BlockHasher(namespace_key("m", "t"), BS))
     for i, toks in enumerate(prompts):
-        r = CacheRequest(f"r{i}", list(toks), len(toks))
-        hits = m.lookup(r)
-        n_hit = len(hits) * BS
-        if not m.allocate(r, len(toks) - n_hit, n_hit, hits):
+        if serve(m, f"r{i}", toks) is None:
             continue  # larger than the pool
-        m.commit(r, len(toks))
-        m.free(r)
         for blk in m.pool.index.values():
             assert blk.depth == 0 or blk.parent in m.pool.index, f"{policy}: stranded block"
         m.pool.check_invariants()

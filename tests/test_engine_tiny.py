@@ -191,8 +191,6 @@ def test_abort_releases_blocks(tiny):
 
 
 def test_deterministic_mode_bit_identical_logits(tiny_model_dir):
-    from hotprefix.engine.scheduler import ScheduledChunk
-
     llm = LLM(tiny_model_dir, num_blocks=64, block_size=16, deterministic=True)
     eng = llm.engine
     prompt = rand_prompts(1, 53, 53, seed=15)[0]

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hotprefix import SamplingParams
-from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.loader import ModelLoadError, default_model_path, load_model
 
 pytestmark = pytest.mark.model

@@ -45,7 +45,6 @@ from hotprefix.cache.manager import common_prefix_len
 from hotprefix.config import CacheConfig
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
-TEMPLATE_SUFFIXES = (".txt", ".j2", ".jinja", ".jinja2", ".md", ".tmpl", ".prompt")
 JSON_SUFFIXES = (".json",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 

@@ -27,7 +27,6 @@ metadata only, on demand).
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import json
 import math
@@ -35,7 +34,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from hotprefix.cache.block_pool import BlockPool, KVBlock
 from hotprefix.cache.eviction import POLICIES, EvictionPolicy, make_policy

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from hotprefix.cache.eviction import EvictionPolicy, make_policy
@@ -44,18 +44,10 @@ class KVBlock:
     """Tenant salt that entered the key chain at this block (None elsewhere)."""
     num_hits: int = 0
     """Times this cached block was matched by a later request."""
-    last_used: float = 0.0
-    """Monotonic time of the last allocation/hit/free."""
     pinned_until: float = 0.0
     """Never evicted before this monotonic time (retention pin); 0 = not pinned."""
     priority: int = 0
     """Retention priority (higher = kept longer by priority-aware policies)."""
-    policy_state: dict = field(default_factory=dict)
-    """Scratch space owned by the eviction policy."""
-
-    @property
-    def is_cached(self) -> bool:
-        return self.key is not None
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,6 @@ class BlockPool:
     # ------------------------------------------------------------------ refcounts
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks found by a lookup."""
-        now = self.clock()
         for b in blocks:
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
@@ -144,7 +135,6 @@ class BlockPool:
                 self.num_in_use += 1
             b.ref_cnt += 1
             b.num_hits += 1
-            b.last_used = now
             self.policy.on_hit(b)
 
     def allocate(self, n: int) -> list[KVBlock] | None:
@@ -162,7 +152,6 @@ class BlockPool:
                 self.num_evictions += 1
                 self.eviction_times.append(now)
             b.ref_cnt = 1
-            b.last_used = now
             self.num_in_use += 1
             out.append(b)
         return out
@@ -178,7 +167,6 @@ class BlockPool:
             if b.ref_cnt:
                 continue
             self.num_in_use -= 1
-            b.last_used = now
             if b.key is None:
                 self.empty.append(b.block_id)
             elif b.pinned_until > now:
@@ -262,7 +250,6 @@ class BlockPool:
         b.salt = None
         b.num_hits = 0
         b.priority = 0
-        b.policy_state.clear()
 
     def reset(self) -> tuple[int, int]:
         """Drop every free cached block. Returns (dropped, left_in_use)."""

@@ -5,12 +5,8 @@ Imports no torch.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-
-MISS_REASONS = ("hit", "too_short", "cold", "evicted", "diverged", "namespace", "salt")
-
 
 @dataclass
 class CacheStats:
@@ -30,7 +26,6 @@ class CacheStats:
     miss_causes: Counter = field(default_factory=Counter)
     """Uncached prompt tokens by (reason, likely cause, block index) — what an operator acts on."""
     recent: deque = field(default_factory=deque)
-    started: float = field(default_factory=time.monotonic)
 
     def record(self, queried: int, hit: int, reason: str, missed_tokens: int) -> None:
         self.queries_tokens += queried

@@ -21,7 +21,7 @@ from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.config import EngineConfig
 from hotprefix.diagnose import explain
-from hotprefix.engine.request import Request, Status
+from hotprefix.engine.request import Request
 from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
 from hotprefix.model.loader import load_model

@@ -42,8 +42,6 @@ class Request(CacheRequest):
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     """"stop" (EOS, stop token or string), "length" (max_tokens / model length), "abort"."""
-    stop_text_len: int | None = None
-    """When a stop string matched: length of the output text to keep."""
     error: str | None = None
     user_data: Any = None
 

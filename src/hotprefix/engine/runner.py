@@ -106,10 +106,7 @@ class ModelRunner:
         """
         if not chunks:
             return {}
-        if self.deterministic:
-            logits, owners = self._run_tiled(chunks, block_tables)
-        else:
-            logits, owners = self._run_batched(chunks, block_tables)
+        logits, owners = self.forward_logits(chunks, block_tables)
         if not owners:
             return {}
         reqs = [c.request for c in owners]
@@ -130,24 +127,22 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         owners: list[ScheduledChunk] = []
-        for c in decodes:
+        decode_tables = [block_tables[id(c.request)] for c in decodes]
+        for c, bt in zip(decodes, decode_tables):
             p = c.start
-            bt = block_tables[id(c.request)]
             ids.append(c.request.token_ids[p])
             pos.append(p)
             slots.append(bt[p // bs] * bs + p % bs)
         meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), prefills=[])  # type: ignore[arg-type]
         if decodes:
-            max_blocks = max(len(block_tables[id(c.request)]) for c in decodes)
-            table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-            for r, c in enumerate(decodes):
-                bt = block_tables[id(c.request)]
-                table[r, :len(bt)] = torch.tensor(bt)
+            max_blocks = max(len(bt) for bt in decode_tables)
+            table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in decode_tables],
+                                 dtype=torch.long)
             ctx = torch.tensor([c.start + 1 for c in decodes])
             meta.decode_block_tables = table.to(dev)
             meta.decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(
                 len(decodes), 1, 1, -1).to(dev)
-            shared = self._shared_decode_blocks([block_tables[id(c.request)] for c in decodes])
+            shared = self._shared_decode_blocks(decode_tables)
             if shared:
                 meta.decode_shared_blocks = torch.tensor(shared, device=dev)
                 meta.decode_suffix_tables = table[:, len(shared):].to(dev)

@@ -102,7 +102,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -125,7 +124,6 @@ class Scheduler:
                     break
             else:
                 out.chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
-                scheduled.add(id(req))
                 budget -= n
                 i += 1
                 continue
@@ -144,9 +142,9 @@ class Scheduler:
         out.preempted.append(victim)
         out.chunks = [c for c in out.chunks if c.request is not victim]
 
-    def _order(self) -> list[tuple[Request, list | None]]:
-        """Waiting requests in admission order, with their cache hits when already looked up."""
-        window = list(self.waiting)[:ADMISSION_WINDOW]
+    def _order(self, window: list[Request]) -> list[tuple[Request, list | None]]:
+        """The window of waiting requests in admission order, with their cache hits when already
+        looked up."""
         if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
             return [(r, None) for r in window]
         hits = {id(r): self.manager.lookup(r) for r in window}
@@ -158,7 +156,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Request] = []
         fcfs = list(self.waiting)[:ADMISSION_WINDOW]
-        for req, hits in self._order():
+        for req, hits in self._order(fcfs):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if hits is None or admitted:

@@ -63,7 +63,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V of the current step must already be written to the pool.
     """
     out = torch.empty_like(q)
-    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    nkv = k_cache.shape[-2]
     gqa = q.shape[1] != nkv
     nd = meta.num_decode
     if nd and meta.decode_shared_blocks is not None:
