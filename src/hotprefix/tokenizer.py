@@ -11,6 +11,7 @@ This module knows nothing about the model's weights or the KV cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -96,6 +97,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def skipped_token_ids(self) -> frozenset[int]:
+        """Special tokens that ``decode`` leaves out of the text: wherever they stand, they add no
+        text, so an incremental detokenizer may drop them before decoding."""
+        added = getattr(self._tok, "added_tokens_decoder", None) or {}
+        return frozenset(int(i) for i, t in added.items()
+                         if getattr(t, "special", False) and self.decode([i]) == "")
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to OpenAI-style messages, as text."""

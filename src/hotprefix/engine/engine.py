@@ -21,6 +21,7 @@ from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.config import EngineConfig
 from hotprefix.diagnose import explain
+from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.request import Request
 from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
@@ -85,7 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._decoded: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id, while unfinished
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         log.info("model %s (fingerprint %s), tokenizer fingerprint %s, namespace %s, "
                  "max_model_len %d, prefix caching %s, loaded in %.1fs",
@@ -115,14 +116,14 @@ class LLMEngine:
             req.arrival_time = arrival_time
         self.scheduler.add(req)
         self.requests[rid] = req
-        self._decoded[rid] = ""
+        self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params.stop_list)
         return req
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self._decoded.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
         self.scheduler.finish(req, "abort")
         return True
 
@@ -138,11 +139,11 @@ class LLMEngine:
         advanced = self.scheduler.update(sched, sampled)
         now = time.monotonic()
         outputs = [self._postprocess(req, now) for req in advanced]
-        outputs += [self._output(req, "") for req in sched.finished if req.request_id in self.requests]
+        outputs += [self._output(req) for req in sched.finished if req.request_id in self.requests]
         for o in outputs:
             if o.finished:
                 self.requests.pop(o.request_id, None)
-                self._decoded.pop(o.request_id, None)
+                self._detokenizers.pop(o.request_id, None)
         self.cache.ledger.flush()
         for cb in self.on_step:
             cb({"num_tokens": sched.num_tokens, "outputs": outputs})
@@ -169,35 +170,24 @@ class LLMEngine:
             reason = "length"
         elif req.num_tokens >= self.max_model_len:
             reason = "length"
-        out_ids = req.output_token_ids
-        if reason == "stop":
-            out_ids = out_ids[:-1]  # the stop token is not part of the text
-        text = self.tokenizer.decode(out_ids)
-        if p.stop_list:
-            cut = min((i for i in (text.find(s) for s in p.stop_list) if i >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
+        detok = self._detokenizers[req.request_id]
+        end = req.num_tokens - 1 if reason == "stop" else req.num_tokens  # a stop token is not text
+        if detok.add(req.token_ids[req.num_prompt_tokens + detok.num_tokens:end]):
+            reason = "stop"  # a stop string; the text is cut before it
         if reason is not None:
             self.scheduler.finish(req, reason)
-        elif text.endswith("\ufffd"):
-            text = self._decoded[req.request_id]  # wait for the rest of a multi-byte character
-        else:
-            # hold back a possible stop-string prefix so a stream never shows part of a stop string
-            hold = max((len(s) - 1 for s in p.stop_list), default=0)
-            if hold:
-                text = text[:max(len(self._decoded[req.request_id]), len(text) - hold)]
-        return self._output(req, text)
+        return self._output(req)
 
-    def _output(self, req: Request, text: str) -> RequestOutput:
-        prev = self._decoded.get(req.request_id, "")
-        new = text[len(prev):] if text.startswith(prev) else ""
-        if req.is_finished or text.startswith(prev):
-            self._decoded[req.request_id] = text if text.startswith(prev) else prev
+    def _output(self, req: Request) -> RequestOutput:
+        detok = self._detokenizers[req.request_id]
+        if req.is_finished:
+            detok.finish()
+        text, new = detok.take()
         times = req.token_times
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
             token_ids=req.output_token_ids,
-            text=text if req.is_finished else prev + new, finished=req.is_finished,
+            text=text, finished=req.is_finished,
             finish_reason=req.finish_reason, num_cached_tokens=max(0, req.num_cached_tokens),
             cache_report=req.cache_report, ttft_s=req.ttft_s(),
             token_latencies_s=[b - a for a, b in zip(times, times[1:])],
