@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from hotprefix.cache.block_pool import AdmitInfo, BlockPool
+from hotprefix.cache.block import AdmitInfo
+from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, hash_block, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 
@@ -42,7 +43,8 @@ def finish(m: KVCacheManager, r: CacheRequest) -> list:
 
 def test_cache_module_imports_no_torch():
     import subprocess
-    code = ("import sys, hotprefix.cache.manager, hotprefix.cache.eviction, hotprefix.cache.block_pool;"
+    code = ("import sys, pkgutil, importlib, hotprefix.cache as c\n"
+            "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('hotprefix.cache.' + m.name)\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -216,9 +218,10 @@ def test_inflight_sharing_owner():
 
 def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
     from hotprefix.cache.ledger import ContentLedger
+    from hotprefix.cache.state_dir import StateDir
 
-    path = str(tmp_path / "ledger.txt")
-    m = KVCacheManager(BlockPool(20, BS), BlockHasher(NS, BS), True, ledger=ContentLedger(path))
+    m = KVCacheManager(BlockPool(20, BS), BlockHasher(NS, BS), True,
+                       ledger=ContentLedger(StateDir(str(tmp_path))))
     base = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     finish(m, req("a", base, salt="t1"))
     d = req("d", base[:5] + [99] + base[6:], salt="t1")
@@ -227,20 +230,28 @@ def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
     assert d.cache_report["miss_position"] == 5
     assert d.cache_report["detail"]["block_index"] == 1
     m.free(d)
+    # another tenant sending t1's prompt is told "cold", like any new prompt; only the operator's
+    # aggregate shows the cross-tenant duplicate as "salt"
     s = req("s", base, salt="t2")
     run_prefill(m, s)
-    assert s.cache_report["miss_reason"] == "salt" and s.cache_report["cached_tokens"] == 0
+    assert s.cache_report["miss_reason"] == "cold" and s.cache_report["cached_tokens"] == 0
+    assert "salt" not in str(s.cache_report)
+    assert m.snapshot()["requests_by_reason"].get("salt") == 1
+    assert m.tenant_snapshot("t2")["requests_by_reason"] == {"cold": 1}
     m.free(s)
     short = req("x", [1, 2, 3])
     run_prefill(m, short)
     assert short.cache_report["miss_reason"] == "too_short"
     m.ledger.flush()
-    # a "restart" under another namespace with the same ledger file
+    # a "restart" under another namespace with the same state directory
     m2 = KVCacheManager(BlockPool(20, BS), BlockHasher(namespace_key("model-a", "tok-NEW"), BS), True,
-                        ledger=ContentLedger(path))
+                        ledger=ContentLedger(StateDir(str(tmp_path))))
     n = req("n", base, salt="t1")
     run_prefill(m2, n)
     assert n.cache_report["miss_reason"] == "namespace"
+    other = req("o", base, salt="t3")  # never cached these tokens itself: no namespace hint
+    run_prefill(m2, other)
+    assert other.cache_report["miss_reason"] == "cold"
     cold = req("c", [5] * 11)
     run_prefill(m2, cold)
     assert cold.cache_report["miss_reason"] == "cold"
@@ -280,8 +291,8 @@ def test_admit_info_and_disabled_cache():
     assert m.pool.num_cached == 0
     r2 = req("b", range(9))
     assert m.lookup(r2) == []
-    info = AdmitInfo(depth=0, request_num_blocks=1, request_hit_blocks=0, parent=None)
-    assert info.depth == 0
+    info = AdmitInfo(depth=0, parent=None)
+    assert info.depth == 0 and info.priority == 0 and info.salt is None
 
 
 def test_cache_write_false_writes_nothing():
@@ -323,3 +334,41 @@ def test_freq_credit_lapses_past_the_learned_reuse_window():
     victim = m.pool.allocate(1)[0]
     assert victim.block_id == hot_block.block_id and m.pool.lookup(m.hasher.keys(hot)[0]) is None
     m.pool.check_invariants()
+
+
+def test_repin_after_a_lapsed_pin_counts_the_block_once():
+    """A pin that lapsed but was not yet expired (no allocation looked) is extended, not counted
+    a second time: the pin count returns to 0 when the new pin expires."""
+    now = [0.0]
+    pool = BlockPool(4, BS, clock=lambda: now[0])
+    a = pool.allocate(1)[0]
+    pool.cache_block(a, b"k", (1, 2, 3, 4), AdmitInfo(depth=0, parent=None))
+    assert pool.pin(a, 5.0) and pool.num_pinned_blocks == 1
+    now[0] = 6.0  # lapsed; nothing has called num_free since
+    assert pool.pin(a, 20.0) and pool.num_pinned_blocks == 1
+    pool.free([a])
+    pool.check_invariants()
+    assert pool.num_free == 3  # still pinned until 20
+    now[0] = 21.0
+    assert pool.num_free == 4 and pool.num_pinned_blocks == 0
+    pool.check_invariants()
+
+
+def test_lazy_heap_replaces_discards_and_orders():
+    from hotprefix.cache.lazy_heap import LazyHeap
+
+    h = LazyHeap(5)
+    for i, p in [(0, 5.0), (1, 1.0), (2, 3.0), (3, 3.0)]:
+        h.push(i, p)
+    h.push(1, 9.0)  # replaces 1's entry
+    assert h.discard(0) and not h.discard(0) and not h.discard(4)
+    assert len(h) == 3 and 0 not in h and 1 in h
+    assert h.ordered() == [2, 3, 1]  # ties by id
+    assert h.peek() == (3.0, 2)
+    assert [h.pop()[1] for _ in range(3)] == [2, 3, 1]
+    assert h.peek() is None and len(h) == 0
+    with pytest.raises(IndexError):
+        h.pop()
+    for _ in range(3000):  # stale entries are compacted away
+        h.push(4, 1.0)
+    assert len(h._heap) <= 4 * len(h) + LazyHeap.COMPACT_SLACK + 1

@@ -112,7 +112,8 @@ def test_tenants_never_share_blocks(srv):
     alice2 = chat(srv, system, "q2", key="sk-alice-2")  # another key of the same tenant
     assert cached(alice1) == 0
     assert cached(bob) == 0
-    assert bob.model_extra["hotprefix"]["cache"]["miss_reason"] == "salt"
+    # bob is told nothing about alice's copy: the same answer as for a prompt nobody sent
+    assert bob.model_extra["hotprefix"]["cache"]["miss_reason"] == "cold"
     assert cached(alice2) >= 300
 
 
@@ -145,7 +146,7 @@ def test_cache_reset_is_admin_only(srv):
 
 
 def test_cache_stats_has_the_engine_keys_and_no_block_in_use(srv):
-    h = {"Authorization": "Bearer sk-bob"}
+    h = {"Authorization": "Bearer sk-ops"}  # the admin key: the operator's view
     assert httpx.get(srv.url + "/v1/cache/stats").status_code == 401
     stats = wait_idle(srv.url, headers=h)
     engine_keys = set(srv.state.aengine.submit(lambda e: e.cache_stats()).result(30))

@@ -133,7 +133,11 @@ class ServerConfig:
     shared_prefix_tokens: int = 0
     """Tenants share blocks fully inside the first N prompt tokens (a common system prompt)."""
     log_requests: str | None = None
-    """Append each request's block keys (no text) as JSONL to this file, for ``simulate``."""
+    """Append each request's block keys (no text) as JSONL to this file (mode 0600), for ``simulate``."""
+    max_request_bytes: int = 1048576
+    """Largest request body accepted; a larger one gets 413 before any parsing or tokenizing."""
+    public_metrics: bool = False
+    """Serve /metrics without a key even when API keys are configured (otherwise admin only)."""
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotprefix.cache.manager import common_prefix_len
+from hotprefix.cache.diagnosis import common_prefix_len
 from hotprefix.lint import find_volatile
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.tokenizer import Tokenizer, TokenizerError
 
 
 def explain(report: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
@@ -50,3 +50,18 @@ def explain(report: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
         detail["hint"] = (f"the prompt differs from the cached one at a {guess.replace('_', ' ')}; "
                           "move volatile values after the stable part of the prompt")
     return report
+
+
+def chat_fixed_prefix(tokenizer: Tokenizer) -> list[int]:
+    """Token ids every chat prompt starts with, whatever its first message says (the template's
+    fixed opening, such as ``<|im_start|>system``); empty when the tokenizer has no chat template."""
+    out: list[int] | None = None
+    for role in ("system", "user"):
+        try:
+            a = tokenizer.encode_chat([{"role": role, "content": "x1"}])
+            b = tokenizer.encode_chat([{"role": role, "content": "Q2"}])
+        except TokenizerError:  # no template, or one that refuses these messages
+            return []
+        common = a[:common_prefix_len(a, b)]
+        out = common if out is None or len(common) < len(out) else out
+    return out or []

@@ -23,15 +23,17 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hotprefix.cache.block_pool import AdmitInfo, BlockPool, KVBlock
+from hotprefix.cache.block import AdmitInfo, KVBlock
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.diagnosis import common_prefix_len, miss_reason
 from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
-from hotprefix.cache.stats import CacheStats
+from hotprefix.cache.stats import CacheStats, request_figures
 
 log = logging.getLogger(__name__)
 
 CONTENT_ROOT = BlockKey(b"hotprefix/content-root")
-EXCERPT_TOKENS = 24
+MAX_TENANT_STATS = 1024
 
 
 @dataclass(eq=False)
@@ -60,6 +62,8 @@ class CacheRequest:
     """The miss report of this request's first admission."""
     content_keys: list[BlockKey] = field(default_factory=list)
     """Key chain of the tokens alone (no namespace, no salt), filled lazily for diagnosis."""
+    operator_reason: str | None = None
+    """A miss reason only the operator may see (``salt``); never part of ``cache_report``."""
 
 
 @dataclass
@@ -87,6 +91,10 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.enabled = enable_prefix_caching
         self.stats = CacheStats(window=stats_window)
+        """Every request, with cross-tenant duplication shown as ``salt`` (the operator's view)."""
+        self._tenant_stats: OrderedDict[str | None, CacheStats] = OrderedDict()
+        self.fixed_prefix: list[int] = []
+        """Token ids every chat prompt starts with (the template's fixed opening), set by the engine."""
         self.ledger = ledger if ledger is not None else ContentLedger()
         self.namespace_tag = hasher.namespace.hex()[:16]
         self._reqs: dict[str, _ReqState] = {}
@@ -205,10 +213,7 @@ class KVCacheManager:
                 st.write_stopped = True  # the tail of a long prompt whose head is new: not written
                 continue
             toks = req.token_ids[i * bs:(i + 1) * bs] if not req.keys_given else ()
-            info = AdmitInfo(depth=i, request_num_blocks=req.num_prompt_tokens // bs,
-                             request_hit_blocks=st.num_hit_blocks,
-                             parent=keys[i - 1] if i else self.hasher.namespace,
-                             parent_seen=i > 0 and i <= st.num_hit_blocks,
+            info = AdmitInfo(depth=i, parent=keys[i - 1] if i else self.hasher.namespace,
                              priority=req.priority,
                              salt=req.salt if i == req.salt_from_block else None)
             if not self.pool.cache_block(blk, key, toks, info):
@@ -217,6 +222,7 @@ class KVCacheManager:
             if req.pin_ttl_s > 0:
                 self.pool.pin(blk, self.pool.clock() + req.pin_ttl_s)
             self.stats.written_blocks += 1
+            self.tenant_stats(req.salt).written_blocks += 1
             if req.cache_report is not None:
                 req.cache_report["written_blocks"] += 1
             if not req.keys_given:
@@ -257,6 +263,8 @@ class KVCacheManager:
     def reset(self) -> dict[str, int]:
         """Drop every free cached block; blocks in use stay. Returns counts."""
         dropped, kept = self.pool.reset()
+        self.pool.ghosts.clear()
+        self.ledger.clear()
         return {"dropped_blocks": dropped, "in_use_blocks_kept": kept}
 
     # ------------------------------------------------------------------ miss report
@@ -278,82 +286,68 @@ class KVCacheManager:
                 "note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the last token "
                         "is always computed"})
         elif n_hit < cacheable:
-            rep.update(self._miss_reason(req, n_hit))
-        self.stats.record(n_prompt, cached_tokens, rep["miss_reason"], n_prompt - cached_tokens)
+            fields, operator = miss_reason(self, req, n_hit)
+            rep.update(fields)
+            req.operator_reason = operator
+        missed = n_prompt - cached_tokens
+        self.stats.record(n_prompt, cached_tokens, req.operator_reason or rep["miss_reason"], missed)
+        self.tenant_stats(req.salt).record(n_prompt, cached_tokens, rep["miss_reason"], missed)
         req.cache_report = rep
         return rep
 
-    def _miss_reason(self, req: CacheRequest, k: int) -> dict[str, Any]:
-        keys = self.keys(req)
-        key = keys[k]
-        pos = k * self.block_size
-        base = {"miss_position": pos}
-        if self.pool.was_evicted(key):
-            return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}
-        if not req.keys_given:
-            owners = self.ledger.lookup(self._content_keys(req, k + 1)[k])
-            mine = ContentLedger.salt_tag(req.salt)
-            same_ns = [o for o in owners if o[0] == self.namespace_tag]
-            if any(o[1] == mine for o in same_ns):  # was cached here before, is gone now
-                return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}
-            if same_ns:
-                return {**base, "miss_reason": "salt",
-                        "detail": {"block_index": k, "note": "the same tokens are cached for another tenant"}}
-            if owners:
-                return {**base, "miss_reason": "namespace",
-                        "detail": {"block_index": k, "note": "these tokens were cached under another "
-                                   "model or tokenizer fingerprint (checkpoint or tokenizer change)",
-                                   "other_namespaces": sorted({o[0] for o in owners})[:4]}}
-        parent = keys[k - 1] if k else self.hasher.namespace
-        siblings = [b for b in self.pool.cached_children(parent)
-                    if k != req.salt_from_block or b.salt == req.salt]
-        if siblings and not req.keys_given:
-            bs = self.block_size
-            sent = req.token_ids[pos:pos + bs]
-            best, common = None, -1
-            for b in siblings:
-                c = common_prefix_len(sent, b.token_ids or ())
-                if c > common:
-                    best, common = b, c
-            n = pos + common
-            cached = list((best.token_ids or ())[common:])
-            nxt = best
-            while len(cached) < EXCERPT_TOKENS and nxt is not None and nxt.key is not None:
-                kids = self.pool.cached_children(nxt.key)
-                nxt = max(kids, key=lambda b: b.num_hits) if kids else None
-                if nxt is not None:
-                    cached += list(nxt.token_ids or ())
-            return {**base, "miss_position": n, "miss_reason": "diverged",
-                    "detail": {"block_index": k, "matched_tokens": n,
-                               "context_token_ids": list(req.token_ids[max(0, n - 12):n]),
-                               "sent_token_ids": list(req.token_ids[n:n + EXCERPT_TOKENS]),
-                               "cached_token_ids": cached[:EXCERPT_TOKENS]}}
-        if siblings:  # trace replay: no tokens to compare
-            return {**base, "miss_reason": "diverged", "detail": {"block_index": k}}
-        return {**base, "miss_reason": "cold", "detail": {"block_index": k}}
+    def tenant_stats(self, salt: str | None) -> CacheStats:
+        """The statistics of one tenant (by salt), created on first use; the oldest drop first."""
+        st = self._tenant_stats.get(salt)
+        if st is None:
+            st = self._tenant_stats[salt] = CacheStats(window=self.stats.window)
+            if len(self._tenant_stats) > MAX_TENANT_STATS:
+                self._tenant_stats.popitem(last=False)
+        else:
+            self._tenant_stats.move_to_end(salt)
+        return st
 
-    def _content_keys(self, req: CacheRequest, n: int) -> list[BlockKey]:
+    def record_cause(self, req: CacheRequest, cause: str | None) -> None:
+        """After the text diagnosis: count the request's missed tokens under (reason, cause, block)."""
+        rep = req.cache_report
+        if rep is None:
+            return
+        block = (rep.get("detail") or {}).get("block_index")
+        tokens = rep["computed_tokens"]
+        self.tenant_stats(req.salt).record_cause(rep["miss_reason"], cause, block, tokens)
+        self.stats.record_cause(req.operator_reason or rep["miss_reason"], cause, block, tokens)
+
+    def content_keys(self, req: CacheRequest, n: int) -> list[BlockKey]:
         """Key chain of the tokens alone: no namespace, no salt (for namespace/salt diagnosis)."""
         if len(req.content_keys) < n:
             self.hasher.extend(req.content_keys, req.token_ids[:n * self.block_size],
                                namespace=CONTENT_ROOT)
         return req.content_keys
 
+    def fixed_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` are the chat template's fixed opening.
+
+        A prompt that matches a cached one only inside that opening shares nothing of its own.
+        """
+        fp = self.fixed_prefix
+        return common_prefix_len(token_ids[:len(fp)], fp) if fp else 0
+
     def _record_content(self, req: CacheRequest, i: int) -> None:
         if i >= self.ledger.max_depth:
             return
-        content = self._content_keys(req, i + 1)[i]
-        self.ledger.record(content, self.namespace_tag, req.salt)
+        content = self.content_keys(req, i + 1)[i]
+        self.ledger.record(content, self.namespace_tag, req.salt if i >= req.salt_from_block else None)
 
     # ------------------------------------------------------------------ stats
     def usage(self) -> float:
         return self.pool.num_in_use / self.pool.num_blocks
 
     def snapshot(self) -> dict[str, Any]:
-        p, s = self.pool, self.stats
+        """The operator's view: the pool, every request, cross-tenant duplication as ``salt``."""
+        p = self.pool
         now = p.clock()
         recent = [t for t in p.eviction_times if now - t <= 60.0]
         return {
+            "view": "operator",
             "enabled": self.enabled,
             "block_size": self.block_size,
             "blocks_total": p.num_blocks,
@@ -363,22 +357,24 @@ class KVCacheManager:
             "blocks_pinned": p.num_pinned_blocks,
             "capacity_tokens": p.num_blocks * self.block_size,
             "kv_usage": self.usage(),
-            "queries_tokens": s.queries_tokens,
-            "hit_tokens": s.hit_tokens,
-            "hit_rate": s.hit_rate,
-            "hit_rate_recent": s.recent_hit_rate,
-            "recent_window_requests": len(s.recent),
-            "requests": s.num_requests,
-            "written_blocks": s.written_blocks,
+            **request_figures(self.stats),
             "evictions": p.num_evictions,
             "evictions_per_second": len(recent) / 60.0,
             "eviction_policy": p.policy.name,
             "eviction_policy_state": p.policy.describe(),
-            "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
-            "miss_share_by_reason": s.miss_breakdown(),
-            "requests_by_reason": dict(s.requests_by_reason),
-            "top_miss_causes": s.top_causes(),
         }
+
+    def tenant_snapshot(self, salt: str | None) -> dict[str, Any]:
+        """One tenant's view: its own requests only, and nothing that moves with other tenants'
+        traffic (no pool occupancy, evictions or other tenants' prefixes)."""
+        st = self._tenant_stats.get(salt) or CacheStats(window=self.stats.window)
+        return {"view": "tenant", "enabled": self.enabled, "block_size": self.block_size,
+                "capacity_tokens": self.pool.num_blocks * self.block_size,
+                "eviction_policy": self.pool.policy.name, **request_figures(st)}
+
+    def tenants_overview(self) -> dict[str | None, dict[str, Any]]:
+        """Per-tenant request figures for the operator, keyed by salt (None = no salt)."""
+        return {salt: request_figures(st) for salt, st in self._tenant_stats.items()}
 
     def top_prefixes(self, n: int = 10) -> list[dict[str, Any]]:
         """Cached root-side blocks with the most hits (no content, only ids and counts)."""
@@ -386,12 +382,3 @@ class KVCacheManager:
         return [{"key": b.key.hex()[:16], "depth": b.depth, "hits": b.num_hits,
                  "tokens": (b.depth + 1) * self.block_size, "in_use": b.ref_cnt > 0}
                 for b in blocks[:n] if b.num_hits > 0]
-
-
-def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (token ids, characters)."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -75,3 +75,20 @@ class CacheStats:
         self.requests_by_reason.clear()
         self.miss_causes.clear()
         self.recent.clear()
+
+
+def request_figures(s: CacheStats) -> dict:
+    """The request-side figures of one ``CacheStats`` (lifetime, window, miss reasons and causes)."""
+    return {
+        "queries_tokens": s.queries_tokens,
+        "hit_tokens": s.hit_tokens,
+        "hit_rate": s.hit_rate,
+        "hit_rate_recent": s.recent_hit_rate,
+        "recent_window_requests": len(s.recent),
+        "requests": s.num_requests,
+        "written_blocks": s.written_blocks,
+        "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
+        "miss_share_by_reason": s.miss_breakdown(),
+        "requests_by_reason": dict(s.requests_by_reason),
+        "top_miss_causes": s.top_causes(),
+    }

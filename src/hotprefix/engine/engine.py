@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -18,9 +17,10 @@ from typing import Any, Callable, Sequence
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.state_dir import StateDir, StateDirError
 from hotprefix.cache.manager import KVCacheManager
-from hotprefix.config import EngineConfig
-from hotprefix.diagnose import explain
+from hotprefix.config import ConfigError, EngineConfig
+from hotprefix.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.request import Request
 from hotprefix.engine.runner import ModelRunner
@@ -32,6 +32,18 @@ from hotprefix.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+ALL_TENANTS = object()
+"""``cache_stats()`` without a tenant: the operator's view of every tenant."""
+
+
+def open_state_dir(path: str | None) -> StateDir | None:
+    """The checked state directory, or None. Raises ConfigError naming the path and the reason."""
+    if not path:
+        return None
+    try:
+        return StateDir(path)
+    except StateDirError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -65,6 +77,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.config = config
         t0 = time.monotonic()
+        # checked before the model loads, so an unusable directory fails fast
+        state = open_state_dir(config.cache.state_dir)
         loaded = load_model(config.model.model)
         self.model_name = loaded.name
         self.model_path = loaded.path
@@ -78,9 +92,9 @@ class LLMEngine:
         pool = BlockPool(self.runner.num_blocks, cc.block_size, cc.eviction_policy, cc.ghost_size)
         self.namespace = namespace_key(self.model_fingerprint, self.tokenizer_fingerprint)
         hasher = BlockHasher(self.namespace, cc.block_size, cc.hash_algo)
-        ledger = ContentLedger(os.path.join(cc.state_dir, "ledger.txt") if cc.state_dir else None)
-        self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window, ledger,
-                                    cc.admission_tail_tokens)
+        self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window,
+                                    ContentLedger(state), cc.admission_tail_tokens)
+        self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
         arch_len = self.runner.arch.max_position
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
@@ -155,9 +169,7 @@ class LLMEngine:
             rep = req.cache_report
             if rep is not None:
                 explain(rep, self.tokenizer)
-                detail = rep.get("detail") or {}
-                self.cache.stats.record_cause(rep["miss_reason"], detail.get("likely_cause"),
-                                              detail.get("block_index"), rep["computed_tokens"])
+                self.cache.record_cause(req, (rep.get("detail") or {}).get("likely_cause"))
         req.token_times.append(now)
         tok = req.token_ids[-1]
         p = req.params
@@ -195,14 +207,35 @@ class LLMEngine:
             new_text=new, error=req.error)
 
     # ------------------------------------------------------------------ cache admin
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self, tenant_salt: str | None | object = ALL_TENANTS) -> dict[str, Any]:
+        """The operator's cache statistics, or with ``tenant_salt`` one tenant's own view."""
+        common = dict(model_fingerprint=self.model_fingerprint,
+                      tokenizer_fingerprint=self.tokenizer_fingerprint,
+                      namespace=self.namespace.hex()[:16], bytes_per_token=self.runner.bytes_per_token)
+        if tenant_salt is not ALL_TENANTS:
+            return {**self.cache.tenant_snapshot(tenant_salt), **common}  # type: ignore[arg-type]
         s = self.cache.snapshot()
-        s.update(model_fingerprint=self.model_fingerprint,
-                 tokenizer_fingerprint=self.tokenizer_fingerprint,
-                 namespace=self.namespace.hex()[:16],
-                 bytes_per_token=self.runner.bytes_per_token,
-                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        s.update(common, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                 state=self.state_health())
         return s
+
+    def state_health(self) -> dict[str, Any]:
+        """Whether state is being persisted: ``ok`` or ``degraded`` with the last error."""
+        ledger = self.cache.ledger
+        return {"status": "degraded" if ledger.last_error else "ok", "error": ledger.last_error,
+                "write_failures": ledger.write_failures, "dir": self.config.cache.state_dir}
+
+    def top_prefixes(self, n: int = 10) -> list[dict[str, Any]]:
+        """The most reused cached blocks (operator view: key hashes and counts, no content)."""
+        return self.cache.top_prefixes(n)
+
+    def tenant_overview(self) -> dict[str | None, dict[str, Any]]:
+        """Per-tenant request figures keyed by tenant salt (operator view)."""
+        return self.cache.tenants_overview()
+
+    def request_block_keys(self, req: Request) -> list[str]:
+        """Hex block keys of a request's tokens (for ``--log-requests``)."""
+        return [k.hex() for k in self.cache.keys(req)]
 
     def reset_prefix_cache(self) -> dict[str, int]:
         return self.cache.reset()

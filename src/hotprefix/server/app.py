@@ -30,15 +30,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.engine.request import Request as EngineRequest
 from hotprefix.engine.scheduler import RequestRejected
 from hotprefix.sampling import SamplingError, SamplingParams
 from hotprefix.server import protocol as P
+from hotprefix.server.limits import CODE as TOO_LARGE_CODE, BodyLimit
 from hotprefix.server.metrics import CONTENT_TYPE, ServerMetrics
 from hotprefix.server.tenants import AuthError, Tenant, TenantRegistry, tenant_tag
+from hotprefix.server.metrics import fold_operator_reasons
 from hotprefix.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ class ServerState:
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
         self._tok_lock = threading.Lock()
-        self._log_file = open(server_config.log_requests, "a") if server_config.log_requests else None
+        self._log_file = _open_private(server_config.log_requests) if server_config.log_requests else None
+        self.log_failures = 0
         self.aengine = AsyncEngine(engine, engine.config.scheduler.max_waiting,
                                    on_finish=self._on_finish if self._log_file else None)
 
@@ -83,17 +86,22 @@ class ServerState:
 
     # -------------------------------------------------------------- --log-requests (engine thread)
     def _on_finish(self, req: EngineRequest, out: RequestOutput | None) -> None:
-        keys = self.engine.cache.keys(req)
         tenant = req.user_data if isinstance(req.user_data, str) else "-"
         line = {"timestamp": time.time(), "request_id": req.request_id, "tenant": tenant,
                 "num_prompt_tokens": req.num_prompt_tokens,
                 "num_output_tokens": req.num_output_tokens, "block_size": self.block_size,
-                "block_keys": [k.hex() for k in keys],
+                "block_keys": self.engine.request_block_keys(req),
                 "cached_tokens": max(0, req.num_cached_tokens),
                 "finish_reason": out.finish_reason if out is not None else "abort"}
         assert self._log_file is not None
-        self._log_file.write(json.dumps(line) + "\n")
-        self._log_file.flush()
+        try:  # a full disk must not fail the request: count it, log it once
+            self._log_file.write(json.dumps(line) + "\n")
+            self._log_file.flush()
+        except OSError as e:
+            if not self.log_failures:
+                log.error("cannot write the request log %s: %s (requests go on)",
+                          self.config.log_requests, e)
+            self.log_failures += 1
 
     def close(self) -> None:
         self.aengine.shutdown()
@@ -103,6 +111,13 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _open_private(path: str):
+    """Open a state/log file for appending, readable by this user only (mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.chmod(path, 0o600)
+    return os.fdopen(fd, "a")
+
+
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization")
     if auth:
@@ -166,6 +181,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         ConfigError: the API key file is unreadable or invalid.
     """
     server_config = server_config or ServerConfig()
+    if server_config.max_request_bytes < 1024:
+        raise ConfigError(f"max_request_bytes must be >= 1024, got {server_config.max_request_bytes}")
     # the key file is checked before the model loads, so a typo fails fast
     tenants = TenantRegistry.from_file(server_config.api_keys, server_config.admin_key,
                                        server_config.shared_prefix_tokens)
@@ -181,6 +198,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     app = FastAPI(title="hotprefix", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server with automatic prefix caching.")
     app.state.hotprefix = state
+    app.add_middleware(BodyLimit, max_bytes=server_config.max_request_bytes,
+                       on_reject=lambda: state.metrics.rejected.labels("413").inc())
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(P.APIError)
@@ -192,7 +211,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     async def _validation_error(request: Request, exc: RequestValidationError):
         state.metrics.rejected.labels("400").inc()
         errors = exc.errors()
-        err = errors[0] if errors else {}
+        err = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
         param = _param_from_loc(tuple(err.get("loc", ())))
         code = "invalid_json" if err.get("type") == "json_invalid" else None
         if err.get("type") == "json_invalid":
@@ -208,6 +227,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         elif exc.status_code == 405:
             msg = f"Method {request.method} is not allowed on {request.url.path}"
             code = "method_not_allowed"
+        elif exc.status_code == 413:
+            state.metrics.rejected.labels("413").inc()
+            msg, code = str(exc.detail), TOO_LARGE_CODE
         else:
             msg, code = str(exc.detail), None
         return JSONResponse(P.error_body(msg, code=code), status_code=exc.status_code,
@@ -475,18 +497,33 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         except (asyncio.TimeoutError, EngineStopped):
             raise P.APIError(503, "the engine is not responding", type="server_error",
                              code="engine_unresponsive") from None
+        st = await state.aengine.call(lambda e: e.state_health())
+        if st["status"] != "ok" or state.log_failures:
+            return {"status": "degraded", "state": st, "request_log_write_failures": state.log_failures}
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    def metrics_dep(request: Request) -> None:
+        if server_config.public_metrics or not state.tenants.enabled and state.tenants.admin_key is None:
+            return
+        admin_dep(tenant_dep(request))
+
+    @app.get("/metrics", dependencies=[Depends(metrics_dep)])
     async def metrics():
         stats = await state.aengine.call(lambda e: e.cache_stats())
+        if server_config.public_metrics:  # readable by tenants: no cross-tenant row to watch
+            stats = fold_operator_reasons(stats)
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     @app.get("/v1/cache/stats")
     async def cache_stats(tenant: Tenant = Depends(tenant_dep)):
+        if not tenant.admin:
+            return await state.aengine.call(lambda e: e.cache_stats(tenant.salt))
+
         def read(e: LLMEngine) -> dict[str, Any]:
             s = e.cache_stats()
-            s["top_prefixes"] = e.cache.top_prefixes(10)
+            s["top_prefixes"] = e.top_prefixes(10)
+            s["tenants"] = {state.tenants.name_of(salt): figures
+                            for salt, figures in e.tenant_overview().items()}
             return s
         return await state.aengine.call(read)
 

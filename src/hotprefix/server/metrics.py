@@ -17,6 +17,22 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+OPERATOR_ONLY_REASONS = {"salt": "cold"}
+"""Miss reasons only the operator may see, and what a tenant-readable view counts them as."""
+
+
+def fold_operator_reasons(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with operator-only miss reasons counted under their tenant-facing reason."""
+    out = dict(stats)
+    for key in ("miss_tokens_by_reason", "requests_by_reason"):
+        folded: dict[str, int] = {}
+        for reason, n in (stats.get(key) or {}).items():
+            r = OPERATOR_ONLY_REASONS.get(reason, reason)
+            folded[r] = folded.get(r, 0) + n
+        out[key] = folded
+    return out
+
+
 class _CacheCollector:
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
@@ -54,6 +70,13 @@ class _CacheCollector:
         ]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+        state = s.get("state") or {}
+        yield CounterMetricFamily("hotprefix_state_write_failures",
+                                  "Failed attempts to persist cache state (requests never fail on them).",
+                                  value=float(state.get("write_failures", 0)))
+        yield GaugeMetricFamily("hotprefix_state_degraded",
+                                "1 while the state directory cannot be written, else 0.",
+                                value=1.0 if state.get("status") == "degraded" else 0.0)
 
 
 class ServerMetrics:

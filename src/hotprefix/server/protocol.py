@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TTL_S = 86400.0
 """Longest retention pin a request may ask for (seconds)."""
@@ -45,11 +45,37 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
+def check_encodable(value: Any) -> Any:
+    """``value`` if every string in it can be encoded as UTF-8 (no lone surrogate such as
+    ``"\\ud800"``, which JSON allows and a tokenizer cannot take); else ValueError."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the text contains a lone surrogate code point and is not valid "
+                             "Unicode") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_encodable(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_encodable(k)
+            check_encodable(v)
+    return value
+
+
+class _Checked(BaseModel):
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, v: Any) -> Any:
+        return check_encodable(v)
+
+
+class _Strict(_Checked):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class _Lenient(BaseModel):
+class _Lenient(_Checked):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 from hotprefix.config import ConfigError
 
+ADMIN_TENANT = "__admin__"
+"""The tenant name of requests sent with the admin key."""
 KEY_FIELDS = {"tenant", "shared_prefix_tokens", "cache", "priority", "ttl_s", "admin"}
 
 
@@ -100,13 +102,24 @@ class TenantRegistry:
         if not self.enabled:
             return Tenant(None, self.shared_prefix_tokens, admin=self.admin_key is None or key == self.admin_key)
         if key is not None and self.admin_key is not None and key == self.admin_key:
-            return Tenant("__admin__", self.shared_prefix_tokens, admin=True)
+            return Tenant(ADMIN_TENANT, self.shared_prefix_tokens, admin=True)
         if not key:
             raise AuthError("Missing API key: send 'Authorization: Bearer <key>'.")
         tenant = self.keys.get(key)
         if tenant is None:
             raise AuthError("Incorrect API key provided.")
         return tenant
+
+    def name_of(self, salt: str | None) -> str:
+        """A tenant's name from its salt, for the operator's view (``-`` = no tenant)."""
+        if salt is None:
+            return "-"
+        for t in self.keys.values():
+            if t.salt == salt:
+                return t.name or "-"
+        if self.admin_key is not None and salt == tenant_salt(ADMIN_TENANT):
+            return ADMIN_TENANT
+        return tenant_tag(salt)
 
     def require_admin(self, tenant: Tenant) -> None:
         if not tenant.admin:

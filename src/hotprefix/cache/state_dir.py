@@ -1,0 +1,105 @@
+"""The state directory (``--state-dir``): state the cache keeps across restarts.
+
+Opening it checks, before the model loads, that it is a directory this process can write, makes
+it mode 0700, and creates (or reads) the server secret ``secret.key`` (32 random bytes, mode
+0600) that keys every hash written there, so a state file confirms no prompt guess without it.
+Every file in it is written 0600, whole files through a temporary name and a rename.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import tempfile
+
+log = logging.getLogger(__name__)
+
+SECRET_FILE = "secret.key"
+SECRET_BYTES = 32
+
+
+class StateDirError(ValueError):
+    """The state directory cannot be used; the message names the path and the reason."""
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` (mode 0600): a reader sees the old or the new file, never half."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def append_whole(path: str, data: bytes) -> None:
+    """Append ``data`` (whole records) to ``path`` (created 0600) in one ``O_APPEND`` write."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        written = os.write(fd, data)
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise OSError(f"short write ({written} of {len(data)} bytes)")
+
+
+class StateDir:
+    """An opened, checked state directory and its secret."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise StateDirError(f"--state-dir {path} exists and is not a directory")
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            mode = stat.S_IMODE(os.stat(self.path).st_mode)
+            if mode & 0o077:
+                os.chmod(self.path, 0o700)
+        except OSError as e:
+            raise StateDirError(f"cannot use --state-dir {path}: {e.strerror or e}") from e
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise StateDirError(f"cannot use --state-dir {path}: not writable by this process")
+        self.secret = self._secret()
+        for name in os.listdir(self.path):  # files an older version left readable
+            p = os.path.join(self.path, name)
+            try:
+                if os.path.isfile(p) and stat.S_IMODE(os.stat(p).st_mode) & 0o077:
+                    os.chmod(p, 0o600)
+            except OSError:
+                pass
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _secret(self) -> bytes:
+        p = self.file(SECRET_FILE)
+        try:
+            with open(p, "rb") as f:
+                data = f.read()
+            if len(data) == SECRET_BYTES:
+                return data
+            log.warning("%s is damaged (%d bytes); making a new secret (older state files are "
+                        "ignored)", p, len(data))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StateDirError(f"cannot read {p}: {e.strerror or e}") from e
+        data = os.urandom(SECRET_BYTES)
+        try:
+            write_atomic(p, data)
+        except OSError as e:
+            raise StateDirError(f"cannot use --state-dir {self.path}: cannot write {SECRET_FILE}: "
+                                f"{e.strerror or e}") from e
+        return data
