@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hotprefix.cache.diagnosis import common_prefix_len
-from hotprefix.lint import find_volatile
+from hotprefix.volatile import find_volatile
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
 
