@@ -44,3 +44,36 @@ def test_warm_jsonl_and_usage_errors(srv, tmp_path, capsys):
     assert "invalid JSON" in capsys.readouterr().err
     assert warm_main([str(tmp_path / "missing.txt"), "--url", srv.url]) == 2
     assert warm_main([str(f), "--url", "http://127.0.0.1:9"]) == 1
+
+
+def test_warm_reads_files_with_the_linters_readers(tmp_path):
+    """Every form warm accepts, read by ``hotprefix.lint.sources`` (no server needed)."""
+    from hotprefix.lint import LintUsageError
+    from hotprefix.warm import read_prompts
+
+    def put(name: str, value) -> str:
+        p = tmp_path / name
+        p.write_text(value if isinstance(value, str) else json.dumps(value))
+        return str(p)
+
+    sys_msg = [{"role": "system", "content": "S"}]
+    assert read_prompts(put("s.txt", "You are Orbit.\n")) == ([], [[{"role": "system",
+                                                                    "content": "You are Orbit.\n"}]])
+    assert read_prompts(put("a.json", ["one", "two"])) == (["one", "two"], [])
+    assert read_prompts(put("b.json", {"prompts": ["one", "two"]})) == (["one", "two"], [])
+    assert read_prompts(put("c.json", [sys_msg, sys_msg])) == ([], [sys_msg, sys_msg])
+    assert read_prompts(put("d.json", {"messages": [sys_msg]})) == ([], [sys_msg])
+    assert read_prompts(put("e.json", sys_msg)) == ([], [sys_msg])
+    assert read_prompts(put("f.json", {"system": "S"})) == ([], [sys_msg])
+    # a chat request as the server reads it: top-level system first, parts joined, developer=system
+    req = {"system": "A", "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "B"}, {"type": "text", "text": "C"}]},
+        {"role": "user", "content": "hi", "name": "ann"}]}
+    assert read_prompts(put("g.jsonl", json.dumps(req) + "\n\n" + json.dumps("p") + "\n")) == (
+        ["p"], [[{"role": "system", "content": "A"}, {"role": "system", "content": "BC"},
+                 {"role": "user", "content": "hi", "name": "ann"}]])
+    for name, value, needle in [("h.py", "P = f'{x}'\n", "source code"),
+                                ("i.json", {"input": "x"}, "not a request"),
+                                ("j.json", "{", "invalid JSON")]:
+        with pytest.raises(LintUsageError, match=needle):
+            read_prompts(put(name, value))

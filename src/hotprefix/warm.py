@@ -1,9 +1,11 @@
 """``hotprefix warm FILE... [--url URL] [--api-key KEY]``: prefill system prompts on a running
 server (``POST /v1/cache/warm``) so the first user does not pay for them.
 
-A FILE is a text file (one prompt: the whole file is a system prompt, sent through the chat
-template as ``[{"role": "system", ...}]``), a JSON file (a list of message lists, a list of strings, or
-``{"messages": [...]}`` / ``{"prompts": [...]}``) or a JSONL file (one conversation or prompt per line).
+Files are read as ``hotprefix lint`` reads them (the same readers): a text file is one prompt (the whole file is a system prompt, sent through the chat template as
+``[{"role": "system", ...}]``); a JSON file holds requests (``messages``, ``prompt``, ``system``), a
+list of them, message lists or strings, or a warm body (``{"prompts": [...]}``,
+``{"messages": [[...], ...]}``); a JSONL file one of those per line. Source code is refused: its
+templates are not prompts until filled in.
 Exit status: 0 warmed, 1 the server refused, 2 bad usage.
 """
 
@@ -16,48 +18,28 @@ import sys
 from typing import Any
 
 from hotprefix.config import ServerConfig
+from hotprefix.lint.samples import LintUsageError
+from hotprefix.lint.sources import is_code, load_samples
 
 
-def _items(path: str) -> tuple[list[str], list[list[dict[str, Any]]]]:
+def read_prompts(path: str) -> tuple[list[str], list[list[dict[str, Any]]]]:
+    """The completion prompts and conversations ``path`` holds.
+
+    Raises:
+        LintUsageError: the file is missing, malformed or source code.
+    """
+    if is_code(path):
+        raise LintUsageError(f"{path}: source code holds templates, not prompts; warm a file with "
+                             "the rendered system prompt instead")
     prompts: list[str] = []
     convs: list[list[dict[str, Any]]] = []
-
-    def take(obj: Any) -> None:
-        if isinstance(obj, str):
-            prompts.append(obj)
-        elif isinstance(obj, list) and obj and all(isinstance(m, dict) for m in obj):
-            convs.append(obj)
-        elif isinstance(obj, dict) and "messages" in obj:
-            take(obj["messages"])
-        elif isinstance(obj, dict) and "prompt" in obj:
-            take(obj["prompt"])
-        elif isinstance(obj, dict) and "system" in obj:
-            convs.append([{"role": "system", "content": obj["system"]}])
-        elif isinstance(obj, dict) and "prompts" in obj:
-            for p in obj["prompts"]:
-                take(p)
-        elif isinstance(obj, list):
-            for o in obj:
-                take(o)
+    for sample in load_samples(path):
+        if sample.kind == "completion":
+            prompts.append(sample.fields[0].text)
+        elif sample.kind == "template":
+            convs.append([{"role": "system", "content": sample.fields[0].text}])
         else:
-            raise ValueError(f"{path}: cannot read a prompt from {str(obj)[:60]!r}")
-
-    with open(path) as f:
-        text = f.read()
-    if path.endswith(".jsonl"):
-        for i, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    take(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: invalid JSON: {e.msg}") from None
-    elif path.endswith(".json"):
-        try:
-            take(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    else:
-        convs.append([{"role": "system", "content": text}])
+            convs.append(sample.messages)
     return prompts, convs
 
 
@@ -80,10 +62,10 @@ def main(argv: list[str]) -> int:
     convs: list[list[dict[str, Any]]] = []
     try:
         for f in args.files:
-            a, b = _items(f)
+            a, b = read_prompts(f)
             prompts += a
             convs += b
-    except (OSError, ValueError) as e:
+    except LintUsageError as e:
         print(f"hotprefix warm: error: {e}", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
