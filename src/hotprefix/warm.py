@@ -1,11 +1,11 @@
 """``hotprefix warm FILE... [--url URL] [--api-key KEY]``: prefill system prompts on a running
 server (``POST /v1/cache/warm``) so the first user does not pay for them.
 
-Files are read as ``hotprefix lint`` reads them (the same readers): a text file is one prompt (the whole file is a system prompt, sent through the chat template as
-``[{"role": "system", ...}]``); a JSON file holds requests (``messages``, ``prompt``, ``system``), a
-list of them, message lists or strings, or a warm body (``{"prompts": [...]}``,
-``{"messages": [[...], ...]}``); a JSONL file one of those per line. Source code is refused: its
-templates are not prompts until filled in.
+Files are read as ``hotprefix lint`` reads them (the same readers): a text file is one prompt
+(the whole file is a system prompt, sent through the chat template as ``[{"role": "system", ...}]``);
+a JSON file holds requests (``messages``, ``prompt``, ``system``), a list of them, message lists or
+strings, or a warm body (``{"prompts": [...]}``, ``{"messages": [[...], ...]}``); a JSONL file one
+of those per line. Source code is refused: its templates are not prompts until filled in.
 Exit status: 0 warmed, 1 the server refused, 2 bad usage.
 """
 
