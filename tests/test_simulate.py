@@ -204,12 +204,13 @@ def test_pins_are_bounded_by_their_share_of_the_pool():
 
 
 def test_pin_with_injected_clock_on_the_pool():
-    from hotprefix.cache.block_pool import AdmitInfo, BlockPool
+    from hotprefix.cache.block import AdmitInfo
+    from hotprefix.cache.block_pool import BlockPool
 
     now = [0.0]
     pool = BlockPool(4, 16, "freq", clock=lambda: now[0])
     a = pool.allocate(1)[0]
-    pool.cache_block(a, b"k", (), AdmitInfo(0, 1, 0, None))
+    pool.cache_block(a, b"k", (), AdmitInfo(0, None))
     assert pool.pin(a, 10.0)
     pool.free([a])
     assert pool.num_free == 3  # pinned: not evictable
@@ -305,3 +306,15 @@ def test_default_model_bytes_per_token():
         assert sim.model_bytes_per_token(None, 4) == 46080
     except ImportError:
         pytest.skip("default model not installed")
+
+
+def test_simulator_and_its_sizing_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, hotprefix.simulate as s\n"
+            "from hotprefix.model.metadata import ModelLoadError\n"
+            "try:\n    s.model_bytes_per_token(None, 4)\nexcept (ModelLoadError, ImportError):\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,13 +1,19 @@
-"""Command line: ``hotprefix serve | generate | lint | simulate | warm``.
+"""Command line: ``hotprefix serve | generate | lint | simulate | warm``, one argparse subcommand each.
 
-Every engine/cache/scheduler/server option is a flag whose default and help text are read from the
-config dataclasses (``hotprefix.config``), so a default is written in one place only.
+Every engine/cache/scheduler/server option of ``serve`` and ``generate`` is a flag whose type,
+default and help text are read from the config dataclasses (``hotprefix.config``), so a default is
+written in one place only and a new field becomes a flag by itself. ``simulate`` takes its
+arguments from the simulator (``hotprefix.simulate.cli.add_arguments``). ``lint`` and ``warm`` own
+their parsers: their subcommand hands the rest of the line to the module's ``main(argv)``, so
+``hotprefix lint --help`` is lint's own help. Nothing heavy is imported to build the parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import importlib
 import logging
 import sys
 import types
@@ -16,34 +22,59 @@ from typing import Any
 
 from hotprefix.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
                               ServerConfig, field_docs)
+from hotprefix.simulate import cli as simulate_cli
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
 
 def _base_type(tp: Any) -> Any:
-    if isinstance(tp, str):
-        tp = eval(tp, {}, {})  # annotations are strings under `from __future__ import annotations`
+    """``X | None`` -> ``X`` (the first non-None member of a union); anything else unchanged."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0]
     return tp
 
 
+def _flag_kwargs(tp: Any) -> dict[str, Any]:
+    """``add_argument`` keywords that parse a value of the (resolved) field type ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        return {"type": type(choices[0]), "choices": choices}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return {"type": tp, "choices": list(tp), "metavar": "{" + ",".join(str(m.value) for m in tp) + "}"}
+    if origin in (list, tuple, set, frozenset):
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else str
+        return {"type": _base_type(item) if isinstance(_base_type(item), type) else str, "nargs": "*"}
+    if tp in (int, float, str):
+        return {"type": tp}
+    return {"type": str}  # any other type: the dataclass (or its validation) converts the text
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of each config dataclass in ``sections``: ``--field-name``, typed from
+    the field's annotation (bool -> ``--x/--no-x``), default and help from the field."""
     for dc in sections:
         group = parser.add_argument_group(dc.__name__, (dc.__doc__ or "").strip())
         docs = field_docs(dc)
+        hints = typing.get_type_hints(dc)  # annotations are strings under `from __future__ import annotations`
         for f in dataclasses.fields(dc):
-            if f.name in skip:
+            if f.name in skip or not f.init:
                 continue
-            flag = "--" + f.name.replace("_", "-")
-            tp = _base_type(f.type)
-            help_ = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
-            if tp is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=f.default, help=help_)
-            else:
-                group.add_argument(flag, dest=f.name, type=tp, default=f.default, help=help_)
+            default = _field_default(f)
+            help_ = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
+                               help=help_, **_flag_kwargs(_base_type(hints[f.name])))
 
 
 def _section_kwargs(args: argparse.Namespace, dc) -> dict[str, Any]:
@@ -94,9 +125,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+PASSTHROUGH = {
+    "lint": "static checks of prompt templates and request samples for prefix-cache traps",
+    "warm": "prefill system prompts on a running server (POST /v1/cache/warm)",
+}
+"""Commands whose module ``hotprefix.<name>`` parses its own arguments (``main(argv)``)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hotprefix", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="hotprefix",
+                                description="An LLM serving runtime whose prefix cache actually works.",
+                                epilog="Run 'hotprefix COMMAND --help' for the options of a command.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
+    add_config_flags(s, ENGINE_SECTIONS)
+    add_config_flags(s, (ServerConfig,))
+    s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
     g.add_argument("prompt", help="the user message (or raw prompt with --raw)")
@@ -111,26 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(g, ENGINE_SECTIONS)
     g.set_defaults(func=_cmd_generate)
 
-    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                   help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
-    add_config_flags(s, ENGINE_SECTIONS)
-    add_config_flags(s, (ServerConfig,))
-    s.set_defaults(func=_cmd_serve)
+    sub.add_parser("lint", help=PASSTHROUGH["lint"], add_help=False).set_defaults(passthrough="lint")
+
+    m = sub.add_parser("simulate", help="replay a request trace through the prefix cache: hit "
+                       "ratios, Belady's MIN, the miss-ratio curve and pool sizing",
+                       description=simulate_cli.DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    simulate_cli.add_arguments(m)
+    m.set_defaults(func=simulate_cli.run)
+
+    sub.add_parser("warm", help=PASSTHROUGH["warm"], add_help=False).set_defaults(passthrough="warm")
     return p
 
 
-EXTERNAL = {"lint": "hotprefix.lint", "simulate": "hotprefix.simulate", "warm": "hotprefix.warm"}
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``hotprefix COMMAND ...``; returns the exit status (2: bad usage or configuration)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if argv and argv[0] in EXTERNAL:
-        import importlib
-
-        return importlib.import_module(EXTERNAL[argv[0]]).main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    passthrough = getattr(args, "passthrough", None)
+    if passthrough is not None:  # lint, warm: their own parser reads the rest of the line
+        return importlib.import_module(f"hotprefix.{passthrough}").main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:

@@ -15,59 +15,13 @@ The pool only knows block ids and keys; the K/V tensors live in the runner. Impo
 from __future__ import annotations
 
 import time
-import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Sequence
 
+from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.eviction import EvictionPolicy, make_policy
 from hotprefix.cache.hashing import BlockKey
-
-
-@dataclass(eq=False)
-class KVBlock:
-    """One block of ``block_size`` token slots in the KV pool."""
-
-    block_id: int
-    """Index into the runner's KV tensors."""
-    ref_cnt: int = 0
-    """Requests currently holding this block."""
-    key: BlockKey | None = None
-    """Content key when cached (full and registered), else None."""
-    token_ids: tuple[int, ...] | None = None
-    """The tokens the cached K/V were computed from (compared on every hit)."""
-    parent: BlockKey | None = None
-    """Key of the previous block in the chain (None for block 0)."""
-    depth: int = 0
-    """Block index within its sequence."""
-    salt: str | None = None
-    """Tenant salt that entered the key chain at this block (None elsewhere)."""
-    num_hits: int = 0
-    """Times this cached block was matched by a later request."""
-    pinned_until: float = 0.0
-    """Never evicted before this monotonic time (retention pin); 0 = not pinned."""
-    priority: int = 0
-    """Retention priority (higher = kept longer by priority-aware policies)."""
-
-
-@dataclass(frozen=True)
-class AdmitInfo:
-    """What the pool knows about a block at the moment it could be cached."""
-
-    depth: int
-    """Block index within its request."""
-    request_num_blocks: int
-    """Full blocks in the request's prompt."""
-    request_hit_blocks: int
-    """Blocks of this request that came from cache."""
-    parent: BlockKey | None
-    """Key of the previous block."""
-    parent_seen: bool = False
-    """The parent block was cached before this request (the prefix is known)."""
-    priority: int = 0
-    """Retention priority requested for this block."""
-    salt: str | None = None
-    """Tenant salt that entered the key chain at this block."""
+from hotprefix.cache.lazy_heap import LazyHeap
 
 
 class BlockPool:
@@ -90,7 +44,7 @@ class BlockPool:
         self.pinned: dict[int, KVBlock] = {}  # free-and-cached blocks held back by a pin
         self.max_pinned = int(num_blocks * max_pinned_fraction)
         self.num_pinned_blocks = 0  # cached blocks (any refcount) with an active pin
-        self._pin_heap: list[tuple[float, int]] = []  # (pinned_until, block_id), may hold stale entries
+        self._pin_expiry = LazyHeap(num_blocks)  # block id -> pinned_until, for blocks with a pin
         self.clock = clock
         self.num_evictions = 0
         self.eviction_times: deque[float] = deque(maxlen=4096)
@@ -179,11 +133,10 @@ class BlockPool:
                     info: AdmitInfo) -> bool:
         """Register a full, computed, in-use block under ``key``.
 
-        Returns False (block stays uncached) if the key is already cached by another block or the
-        policy declines to admit it.
+        Returns False (block stays uncached) if the key is already cached by another block.
         """
         assert block.ref_cnt > 0 and block.key is None
-        if key in self.index or not self.policy.admit(info):
+        if key in self.index:
             return False
         block.key = key
         block.token_ids = tuple(token_ids)
@@ -196,7 +149,7 @@ class BlockPool:
         if info.parent is not None:
             self.children.setdefault(info.parent, set()).add(key)
         self.ghosts.pop(key, None)
-        self.policy.on_cached(block, info)
+        self.policy.on_cached(block)
         return True
 
     def pin(self, block: KVBlock, until: float) -> bool:
@@ -204,25 +157,22 @@ class BlockPool:
         would exceed their share of the pool."""
         if block.key is None:
             return False
-        if block.pinned_until <= self.clock():
+        if not block.pinned_until:  # a lapsed pin not yet expired still counts: extend it
             if self.num_pinned_blocks >= self.max_pinned:
                 return False
             self.num_pinned_blocks += 1
         block.pinned_until = max(block.pinned_until, until)
-        heapq.heappush(self._pin_heap, (block.pinned_until, block.block_id))
+        self._pin_expiry.push(block.block_id, block.pinned_until)
         return True
 
     def _expire_pins(self) -> None:
         if not self.num_pinned_blocks:
-            self._pin_heap.clear()
             return
         now = self.clock()
-        heap = self._pin_heap
-        while heap and heap[0][0] <= now:
-            until, bid = heapq.heappop(heap)
+        expiry = self._pin_expiry
+        while (top := expiry.peek()) is not None and top[0] <= now:
+            bid = expiry.pop()[1]
             b = self.blocks[bid]
-            if not b.pinned_until or b.pinned_until != until:
-                continue  # stale: extended, uncached or already expired
             b.pinned_until = 0.0
             self.num_pinned_blocks -= 1
             if self.pinned.pop(b.block_id, None) is not None:
@@ -244,6 +194,7 @@ class BlockPool:
         if b.pinned_until:
             b.pinned_until = 0.0
             self.num_pinned_blocks -= 1
+            self._pin_expiry.discard(b.block_id)
         b.key = None
         b.token_ids = None
         b.parent = None
@@ -283,3 +234,6 @@ class BlockPool:
         assert evictable == len(self.policy) + len(self.pinned), \
             f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)}"
         assert len(self.index) == sum(1 for b in self.blocks if b.key is not None)
+        pins = sum(1 for b in self.blocks if b.pinned_until)
+        assert pins == self.num_pinned_blocks == len(self._pin_expiry), \
+            f"pinned blocks {pins}, counted {self.num_pinned_blocks}, expiry entries {len(self._pin_expiry)}"

@@ -7,19 +7,21 @@ registers blocks itself. Policies are found by name in ``POLICIES`` (``@register
 Invariant the pool relies on: after ``on_free(b)`` and until ``on_use(b)``/``evict()``/``on_removed(b)``,
 ``b`` is in the policy's evictable set exactly once; ``len(policy)`` is that set's size.
 
+A policy decides what leaves the cache, never what enters it: every full computed block is cached
+unless the manager's admission rule (``admission_tail_tokens``) or ``cache: "none"`` holds it back.
+
 Imports no torch.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from hotprefix.cache.block_pool import AdmitInfo, KVBlock
+from hotprefix.cache.block import KVBlock
+from hotprefix.cache.lazy_heap import LazyHeap
 
 POLICIES: dict[str, type["EvictionPolicy"]] = {}
 
@@ -44,29 +46,26 @@ class EvictionPolicy(ABC):
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
 
-    def admit(self, info: "AdmitInfo") -> bool:
-        """Asked before a newly computed full block is registered; False keeps it uncached."""
-        return True
+    def on_cached(self, block: KVBlock) -> None:
+        """A block was registered in the cache index (it is in use at this moment; its depth,
+        parent, priority and salt are set)."""
 
-    def on_cached(self, block: "KVBlock", info: "AdmitInfo") -> None:
-        """A block was registered in the cache index (it is in use at this moment)."""
-
-    def on_hit(self, block: "KVBlock") -> None:
+    def on_hit(self, block: KVBlock) -> None:
         """A cached block was matched by a request's prefix lookup."""
 
     @abstractmethod
-    def on_free(self, block: "KVBlock") -> None:
+    def on_free(self, block: KVBlock) -> None:
         """The block's refcount dropped to 0 while cached: it is now evictable."""
 
     @abstractmethod
-    def on_use(self, block: "KVBlock") -> None:
+    def on_use(self, block: KVBlock) -> None:
         """An evictable block is in use again: it must leave the evictable set."""
 
     @abstractmethod
-    def evict(self) -> "KVBlock":
+    def evict(self) -> KVBlock:
         """Remove and return the victim. Only called when ``len(self) > 0``."""
 
-    def on_removed(self, block: "KVBlock") -> None:
+    def on_removed(self, block: KVBlock) -> None:
         """The block left the evictable set without being chosen (cache reset)."""
         self.on_use(block)
 
@@ -91,15 +90,15 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
-        self._queue: OrderedDict[int, "KVBlock"] = OrderedDict()
+        self._queue: OrderedDict[int, KVBlock] = OrderedDict()
 
-    def on_free(self, block: "KVBlock") -> None:
+    def on_free(self, block: KVBlock) -> None:
         self._queue[block.block_id] = block
 
-    def on_use(self, block: "KVBlock") -> None:
+    def on_use(self, block: KVBlock) -> None:
         self._queue.pop(block.block_id, None)
 
-    def evict(self) -> "KVBlock":
+    def evict(self) -> KVBlock:
         return self._queue.popitem(last=False)[1]
 
     def __len__(self) -> int:
@@ -160,11 +159,8 @@ class FreqCreditPolicy(EvictionPolicy):
         self.now = 0
         self._count = [0] * num_blocks       # per block id: requests that referenced the key
         self._last = [-1] * num_blocks       # request counter at the last count increment
-        self._ver = [0] * num_blocks         # version of the block's valid heap entry
-        self._live = [False] * num_blocks    # in the evictable set
-        self._num_live = 0
-        self._block: list["KVBlock | None"] = [None] * num_blocks
-        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._block: list[KVBlock | None] = [None] * num_blocks
+        self._heap = LazyHeap(num_blocks)    # the evictable set: id -> (priority, -depth, seq)
         self._seq = 0
         self._history: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (count, t_free)
         self._history_size = self.history_mult * num_blocks
@@ -200,7 +196,7 @@ class FreqCreditPolicy(EvictionPolicy):
                 "credit_window_requests": None if math.isinf(w) else round(w, 1),
                 "reuse_gaps_observed": self._gap_samples}
 
-    def on_cached(self, block: "KVBlock", info: "AdmitInfo") -> None:
+    def on_cached(self, block: KVBlock) -> None:
         bid = block.block_id
         count, t_free = self._history.pop(block.key, (0, -1))
         if t_free >= 0:
@@ -208,53 +204,41 @@ class FreqCreditPolicy(EvictionPolicy):
         self._count[bid] = count + 1
         self._last[bid] = self.now
 
-    def on_hit(self, block: "KVBlock") -> None:
+    def on_hit(self, block: KVBlock) -> None:
         bid = block.block_id
         if self._last[bid] != self.now:
             self._count[bid] += 1
             self._last[bid] = self.now
 
-    def on_free(self, block: "KVBlock") -> None:
+    def on_free(self, block: KVBlock) -> None:
         bid = block.block_id
-        v = self._ver[bid] + 1
-        self._ver[bid] = v
-        if not self._live[bid]:
-            self._live[bid] = True
-            self._num_live += 1
-            self._block[bid] = block
+        self._block[bid] = block
         self._t_free[bid] = self.now
         self._by_age.pop(bid, None)
         if block.priority <= 0:
             self._by_age[bid] = None
         credit = self.credit_requests * (math.log2(self._count[bid] or 1) + block.priority)
         self._seq += 1
-        heapq.heappush(self._heap, (self.now + credit, -block.depth, self._seq, bid, v))
-        if len(self._heap) > 4 * self._num_live + 1024:
-            self._compact()
+        self._heap.push(bid, (self.now + credit, -block.depth, self._seq))
 
     def _leave(self, bid: int) -> None:
         """The block leaves the evictable set (its heap entry goes stale)."""
-        self._ver[bid] += 1
-        if self._live[bid]:
-            self._live[bid] = False
-            self._num_live -= 1
+        if self._heap.discard(bid):
             self._block[bid] = None
             self._by_age.pop(bid, None)
 
-    def on_use(self, block: "KVBlock") -> None:
+    def on_use(self, block: KVBlock) -> None:
         bid = block.block_id
-        if self._live[bid]:  # an idle cached block is referenced again: one reuse gap
+        if bid in self._heap:  # an idle cached block is referenced again: one reuse gap
             self._observe_gap(self.now - self._t_free[bid])
         self._leave(bid)
 
-    def evict(self) -> "KVBlock":
+    def evict(self) -> KVBlock:
         bid = next(iter(self._by_age), -1)
         if bid < 0 or self.now - self._t_free[bid] <= self.credit_window:
-            heap, ver = self._heap, self._ver
-            while True:
-                _, _, _, bid, v = heapq.heappop(heap)
-                if ver[bid] == v and self._live[bid]:
-                    break
+            top = self._heap.peek()
+            assert top is not None, "evict() with no evictable block"
+            bid = top[1]
         block = self._block[bid]
         assert block is not None
         self._leave(bid)
@@ -264,21 +248,14 @@ class FreqCreditPolicy(EvictionPolicy):
                 self._history.popitem(last=False)
         return block
 
-    def on_removed(self, block: "KVBlock") -> None:
+    def on_removed(self, block: KVBlock) -> None:
         self._leave(block.block_id)
-
-    def _compact(self) -> None:
-        ver, live = self._ver, self._live
-        self._heap = [e for e in self._heap if live[e[3]] and ver[e[3]] == e[4]]
-        heapq.heapify(self._heap)
 
     def order(self) -> list[int]:
         """Block ids in eviction order (first = next victim); for tests and debugging."""
-        ver, live = self._ver, self._live
         lapsed = [b for b in self._by_age if self.now - self._t_free[b] > self.credit_window]
         skip = set(lapsed)
-        return lapsed + [e[3] for e in sorted(self._heap)
-                         if live[e[3]] and ver[e[3]] == e[4] and e[3] not in skip]
+        return lapsed + [b for b in self._heap.ordered() if b not in skip]
 
     def __len__(self) -> int:
-        return self._num_live
+        return len(self._heap)

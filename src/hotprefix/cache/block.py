@@ -1,0 +1,53 @@
+"""One KV block as the cache sees it, and what is recorded about it when it is cached.
+
+A leaf module: the pool (``block_pool``), the eviction policies (``eviction``) and the manager
+all import it, and it imports nothing of theirs. It knows nothing about tensors (the K/V of
+block ``block_id`` live in the runner) and nothing about requests. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hotprefix.cache.hashing import BlockKey
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One block of ``block_size`` token slots in the KV pool."""
+
+    block_id: int
+    """Index into the runner's KV tensors."""
+    ref_cnt: int = 0
+    """Requests currently holding this block."""
+    key: BlockKey | None = None
+    """Content key when cached (full and registered), else None."""
+    token_ids: tuple[int, ...] | None = None
+    """The tokens the cached K/V were computed from (compared on every hit)."""
+    parent: BlockKey | None = None
+    """Key of the previous block in the chain (None for block 0)."""
+    depth: int = 0
+    """Block index within its sequence."""
+    salt: str | None = None
+    """Tenant salt that entered the key chain at this block (None elsewhere)."""
+    num_hits: int = 0
+    """Times this cached block was matched by a later request."""
+    pinned_until: float = 0.0
+    """Never evicted before this monotonic time (retention pin); 0 = not pinned."""
+    priority: int = 0
+    """Retention priority (higher = kept longer by priority-aware policies)."""
+
+
+@dataclass(frozen=True)
+class AdmitInfo:
+    """Where a block sits in its chain, given to ``BlockPool.cache_block`` when it is cached
+    (the pool copies these onto the ``KVBlock``; policies read them there)."""
+
+    depth: int
+    """Block index within its request."""
+    parent: BlockKey | None
+    """Key of the previous block (the namespace for block 0)."""
+    priority: int = 0
+    """Retention priority requested for this block."""
+    salt: str | None = None
+    """Tenant salt that entered the key chain at this block."""

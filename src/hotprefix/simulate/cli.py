@@ -1,0 +1,152 @@
+"""``hotprefix simulate``: replay a request trace through the real prefix cache.
+
+Each request of the trace goes, one at a time, through the same ``KVCacheManager`` / ``BlockPool``
+/ eviction policy the engine uses (lookup -> allocate -> commit -> free), at a given pool
+capacity, and the replay reports block and token hit ratios, evictions and the requests that hit
+nothing. Two bounds come with it: Belady's MIN (``--policy min``: an offline policy that is given
+each key's next use; parents are always needed no later than their children, ties go to the
+deepest block) and the infinite-cache ceiling. ``--sweep`` draws the miss-ratio curve (hit ratio vs
+capacity, one line per policy plus MIN and the ceiling) and prints the smallest ``kv_cache_memory``
+that reaches a share of the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from hotprefix.cache.eviction import POLICIES
+from hotprefix.config import CacheConfig
+from hotprefix.model.metadata import ModelLoadError, kv_bytes_per_token
+from hotprefix.simulate import traces
+from hotprefix.simulate.plot import plot_mrc
+from hotprefix.simulate.replay import ceiling, default_policy, replay
+from hotprefix.simulate.sizing import format_bytes, smallest_capacity
+from hotprefix.simulate.sweep import sweep
+
+DESCRIPTION = f"{(__doc__ or '').strip()}\n\n{traces.TRACE_FORMATS}"
+"""``--help`` text: what the command does and the trace formats it reads."""
+CEILING_NAMES = ("ceiling", "inf", "infinite")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's arguments, on ``p`` (its own parser or a ``hotprefix`` subcommand)."""
+    p.add_argument("trace", help="JSONL trace: Mooncake hash_ids, hotprefix request log, or token_ids")
+    p.add_argument("--capacity-tokens", type=int, default=None,
+                   help="KV pool capacity in tokens (required unless --sweep)")
+    p.add_argument("--policy", default=None,
+                   help=f"eviction policy: {', '.join(sorted(POLICIES))}, min (Belady) or ceiling; "
+                        f"default: the engine's ({default_policy()}); with --sweep a comma list")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help="tokens per block (512 replays Mooncake ids whole: much faster)")
+    p.add_argument("--admission-tail-tokens", type=int, default=None,
+                   help="cache the tail past this many prompt tokens only for a prefix seen before")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", action="store_true", help="miss-ratio curve: capacities up to the ceiling")
+    p.add_argument("--out", default=".", help="--sweep: directory for mrc.png and mrc.json")
+    p.add_argument("--points", type=int, default=12, help="--sweep: number of capacities")
+    p.add_argument("--target", type=float, default=0.9,
+                   help="--sweep: sizing advice for this fraction of the ceiling")
+    p.add_argument("--model", default=None, help="--sweep: model whose KV bytes/token size the pool")
+    p.add_argument("--dtype-bytes", type=int, default=4, help="--sweep: bytes per KV element (4 = fp32)")
+    p.add_argument("--bytes-per-token", type=int, default=None,
+                   help="--sweep: KV bytes per token (skips reading the model's metadata)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hotprefix simulate", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def _error(msg: str) -> int:
+    print(f"hotprefix simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command on parsed arguments. Returns the exit status (2: bad usage or trace)."""
+    try:
+        reqs = traces.load_trace(args.trace, args.block_size, args.limit)
+    except (OSError, ValueError, KeyError) as e:
+        return _error(str(e))
+    return _run_sweep(args, reqs) if args.sweep else _run_one(args, reqs)
+
+
+def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
+    if args.capacity_tokens is None:
+        return _error("--capacity-tokens is required (or use --sweep)")
+    name = args.policy or default_policy()
+    if name in CEILING_NAMES:
+        res = ceiling(reqs, args.block_size)
+        res.policy = "ceiling"
+    elif name != "min" and name not in POLICIES:
+        return _error(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, min, ceiling")
+    else:
+        res = replay(reqs, args.capacity_tokens, name, args.block_size, args.admission_tail_tokens)
+    out = res.to_json()
+    if name in CEILING_NAMES:
+        out["capacity_tokens"] = args.capacity_tokens
+        out["ceiling_capacity_tokens"] = res.capacity_tokens
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{out['policy']} @ {args.capacity_tokens:,} tokens (block {args.block_size}): "
+              f"block hit ratio {out['block_hit_ratio']:.4f}, token hit ratio "
+              f"{out['token_hit_ratio']:.4f}, evictions {out['evictions']:,}, "
+              f"requests with zero hits {out['zero_hit_requests']:,}/{out['requests']:,}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
+    names = [x for x in (args.policy or "").split(",") if x] or sorted({"lru", default_policy()})
+    names = [n for n in names if n not in ("min", "ceiling")]
+    for n in names:
+        if n not in POLICIES:
+            return _error(f"unknown policy {n!r}")
+    os.makedirs(args.out, exist_ok=True)
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log(f"sweep over {len(reqs):,} requests, block size {args.block_size}")
+    result = sweep(reqs, args.block_size, names, args.points,
+                   admission_tail_tokens=args.admission_tail_tokens, log=log)
+    bpt = args.bytes_per_token
+    if bpt is None:
+        try:
+            bpt = kv_bytes_per_token(args.model, args.dtype_bytes)
+        except (ModelLoadError, ImportError) as e:  # no model installed: advice in tokens only
+            log(f"(could not read the model's KV size: {e}; pass --bytes-per-token)")
+    target = args.target * result["ceiling"]
+    advice: dict[str, dict[str, Any]] = {}
+    for name, ys in result["policies"].items():
+        c = smallest_capacity(result["capacities_tokens"], ys, target)
+        advice[name] = {"capacity_tokens": c,
+                        "kv_cache_memory_bytes": c * bpt if (c is not None and bpt) else None}
+    result.update(bytes_per_token=bpt, target_fraction=args.target, target_hit_ratio=round(target, 6),
+                  advice=advice, trace=os.path.basename(args.trace))
+    with open(os.path.join(args.out, "mrc.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot_mrc(result, os.path.join(args.out, "mrc.png"),
+             f"{os.path.basename(args.trace)} (block {args.block_size})")
+    log(f"ceiling {result['ceiling']:.4f}; target {args.target:.0%} of it = {target:.4f}")
+    for name, a in advice.items():
+        if a["capacity_tokens"] is None:
+            log(f"  {name:8s} does not reach the target inside the sweep")
+        elif a["kv_cache_memory_bytes"]:
+            log(f"  {name:8s} needs {a['capacity_tokens']:,} tokens = --kv-cache-memory "
+                f"{format_bytes(a['kv_cache_memory_bytes'])} ({bpt:,} bytes/token)")
+        else:
+            log(f"  {name:8s} needs {a['capacity_tokens']:,} tokens")
+    log(f"wrote {os.path.join(args.out, 'mrc.png')} and {os.path.join(args.out, 'mrc.json')}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hotprefix simulate TRACE ...``; returns the exit status."""
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,190 @@
+"""Replay a trace through the real prefix cache, one request at a time, and the infinite-cache
+ceiling.
+
+Each request goes through the same ``KVCacheManager`` / ``BlockPool`` / eviction policy the engine
+uses (lookup -> allocate -> commit -> free) at a given pool capacity; ``SimResult`` counts block
+and token hits, evictions and the requests that hit nothing. Knows nothing about trace files
+(``traces``), sweeps or the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.eviction import EvictionPolicy, make_policy
+from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.manager import CacheRequest, KVCacheManager
+from hotprefix.config import CacheConfig
+from hotprefix.simulate.min_policy import MinPolicy, next_uses
+from hotprefix.simulate.traces import SIM_NAMESPACE, TraceRequest, lookup_limit, request_keys
+
+
+@dataclass
+class SimResult:
+    """What one replay measured."""
+
+    policy: str
+    """Eviction policy name (``min``, ``ceiling`` or a registered one)."""
+    capacity_tokens: int
+    """Pool capacity replayed (for the ceiling: the tokens it would need to hold everything)."""
+    block_size: int
+    """Tokens per block."""
+    num_requests: int = 0
+    """Requests replayed."""
+    prompt_blocks: int = 0
+    """Full prompt blocks over all requests."""
+    hit_blocks: int = 0
+    """Prompt blocks served from cache."""
+    prompt_tokens: int = 0
+    """Prompt tokens over all requests."""
+    hit_tokens: int = 0
+    """Prompt tokens served from cache."""
+    evictions: int = 0
+    """Cached blocks evicted."""
+    written_blocks: int = 0
+    """Blocks added to the cache."""
+    zero_hit_requests: int = 0
+    """Requests that hit no block."""
+    truncated_requests: int = 0
+    """Requests larger than the pool: only what fits was written."""
+    seconds: float = 0.0
+    """Wall time of the replay."""
+    per_request_hits: list[int] = field(default_factory=list)
+    """Hit blocks of each request (filled with ``keep_per_request``)."""
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def add_request(self, r: TraceRequest, hit_blocks: int) -> None:
+        """Count one replayed request that hit its first ``hit_blocks`` blocks."""
+        self.num_requests += 1
+        self.prompt_blocks += r.num_prompt_tokens // self.block_size
+        self.hit_blocks += hit_blocks
+        self.prompt_tokens += r.num_prompt_tokens
+        self.hit_tokens += hit_blocks * self.block_size
+        self.zero_hit_requests += hit_blocks == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "capacity_tokens": self.capacity_tokens,
+            "block_size": self.block_size, "num_blocks": self.capacity_tokens // self.block_size,
+            "block_hit_ratio": round(self.block_hit_ratio, 6),
+            "token_hit_ratio": round(self.token_hit_ratio, 6),
+            "requests": self.num_requests, "zero_hit_requests": self.zero_hit_requests,
+            "zero_hit_request_ratio": round(self.zero_hit_requests / max(1, self.num_requests), 6),
+            "prompt_blocks": self.prompt_blocks, "hit_blocks": self.hit_blocks,
+            "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
+            "evictions": self.evictions, "written_blocks": self.written_blocks,
+            "truncated_requests": self.truncated_requests, "seconds": round(self.seconds, 3),
+        }
+
+
+class _Clock:
+    """The pool's clock during a replay: the current request's timestamp."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def default_policy() -> str:
+    """The engine's default eviction policy (``CacheConfig.eviction_policy``)."""
+    return CacheConfig.eviction_policy
+
+
+def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | None = None,
+           block_size: int = CacheConfig.block_size, admission_tail_tokens: int | None = None,
+           max_pinned_fraction: float = 0.5, keep_per_request: bool = False,
+           keys: Sequence[Sequence[BlockKey]] | None = None) -> SimResult:
+    """Replay ``reqs`` one at a time through a real ``KVCacheManager`` of ``capacity_tokens``.
+
+    Args:
+        policy: a name in the engine's ``POLICIES``, or ``min`` (Belady); None = the engine default.
+        keys: precomputed ``request_keys`` (only needed by ``min``; computed if omitted).
+    Returns:
+        the measured ``SimResult`` (``per_request_hits`` filled when ``keep_per_request``).
+    """
+    policy = policy or default_policy()
+    num_blocks = capacity_tokens // block_size
+    if num_blocks < 1:
+        raise ValueError(f"capacity {capacity_tokens} tokens is less than one block of {block_size}")
+    nu: list[list[int]] | None = None
+    min_pol: MinPolicy | None = None
+    if policy == "min":
+        if keys is None:
+            keys = request_keys(reqs, block_size)
+        nu = next_uses(keys)
+        min_pol = MinPolicy(num_blocks)
+        pol: EvictionPolicy = min_pol
+    else:
+        pol = make_policy(policy, num_blocks)
+    clock = _Clock()
+    pool = BlockPool(num_blocks, block_size, pol, ghost_size=0,
+                     max_pinned_fraction=max_pinned_fraction, clock=clock)
+    if min_pol is not None:
+        min_pol.index = pool.index
+    mgr = KVCacheManager(pool, BlockHasher(SIM_NAMESPACE, block_size, "sha256"), True,
+                         ledger=ContentLedger(max_entries=1), admission_tail_tokens=admission_tail_tokens)
+    res = SimResult(policy, capacity_tokens, block_size)
+    t0 = time.perf_counter()
+    bs = block_size
+    for i, r in enumerate(reqs):
+        clock.t = r.timestamp
+        given = r.block_keys is not None
+        creq = CacheRequest(str(i), r.token_ids if not given else [], r.num_prompt_tokens,
+                            cache_write=r.cache_write, priority=r.priority, pin_ttl_s=r.pin_ttl_s,
+                            block_keys=list(r.block_keys) if given else [], keys_given=given)
+        if min_pol is not None:
+            min_pol.begin(keys[i], nu[i])  # type: ignore[index]
+        hits = mgr.lookup(creq)
+        h = len(hits)
+        n_tokens = r.num_tokens
+        free = mgr.num_free_after(hits)
+        if math.ceil(n_tokens / bs) - h > free:  # larger than the pool: write what fits
+            n_tokens = (h + free) * bs
+            res.truncated_requests += 1
+        if not mgr.allocate(creq, n_tokens - h * bs, h * bs, hits):
+            raise RuntimeError(f"request {i}: the pool refused {n_tokens} tokens")
+        mgr.commit(creq, n_tokens)
+        mgr.free(creq)
+        res.add_request(r, h)
+        if keep_per_request:
+            res.per_request_hits.append(h)
+    res.evictions = pool.num_evictions
+    res.written_blocks = mgr.stats.written_blocks
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def ceiling(reqs: Sequence[TraceRequest], block_size: int,
+            keys: Sequence[Sequence[BlockKey]] | None = None) -> SimResult:
+    """The infinite-cache ceiling: every written block stays forever (no pool needed)."""
+    keys = keys if keys is not None else request_keys(reqs, block_size)
+    seen: set[BlockKey] = set()
+    res = SimResult("ceiling", 0, block_size)
+    t0 = time.perf_counter()
+    for r, ks in zip(reqs, keys):
+        lim = lookup_limit(r, len(ks), block_size)
+        h = 0
+        while h < lim and ks[h] in seen:
+            h += 1
+        if r.cache_write:
+            new = ks[h:r.num_tokens // block_size]
+            res.written_blocks += sum(1 for k in new if k not in seen)
+            seen.update(new)
+        res.add_request(r, h)
+    res.capacity_tokens = len(seen) * block_size
+    res.seconds = time.perf_counter() - t0
+    return res

@@ -1,0 +1,173 @@
+"""No import circle among hotprefix's modules.
+
+The graph is read from the source with ``ast``: an edge ``a -> b`` for every import of ``b`` in
+``a``'s module-level code (``try:`` and ``if TYPE_CHECKING:`` blocks included: a circle through type
+hints is still a circle in the design, though it cannot fail at run time; imports inside functions
+are deferred on purpose and left out). ``from pkg import name`` points at ``pkg.name`` when that is
+a module, else at ``pkg``. The implicit import of a parent package (``pkg/__init__`` before
+``pkg.mod``) is not an edge: a package that re-exports its own modules is not a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import hotprefix
+
+ROOT = Path(hotprefix.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+KNOWN_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"hotprefix.cache.diagnosis", "hotprefix.cache.manager"}):
+        "the manager imports diagnosis; diagnosis imports the manager's CacheRequest and "
+        "KVCacheManager for type hints (TYPE_CHECKING). Left to the diagnosis work (issue 11); "
+        "a fix: diagnosis takes a Protocol or the pieces it reads, not the manager type.",
+}
+"""Circles found in code this test's author did not own, reported by ``test_known_cycles_are_gone``
+instead of failing the suite. Remove an entry once its circle is gone."""
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module, runtime_only: bool):
+    """Import statements outside any function or class body (and outside ``if TYPE_CHECKING:``
+    when ``runtime_only``)."""
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and runtime_only and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    stack.append(child)
+
+
+def import_graph(runtime_only: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {imported hotprefix module: line of the first such import}."""
+    files = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        edges: dict[str, int] = {}
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path)), runtime_only):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: from the package this module is in
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    pkg = pkg[:len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                           for a in node.names]
+            for t in targets:
+                if t in files and t != mod:
+                    edges.setdefault(t, node.lineno)
+        graph[mod] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    comps: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for comp in comps:  # walk one concrete circle inside the component, for the message
+        members = set(comp)
+        start = min(comp)
+        path, seen = [start], {start}
+        while True:
+            nxt = min(w for w in graph[path[-1]] if w in members)
+            if nxt in seen:
+                cycles.append(path[path.index(nxt):] + [nxt])
+                break
+            path.append(nxt)
+            seen.add(nxt)
+    return cycles
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_the_graph_sees_imports():
+    graph = import_graph()
+    assert "hotprefix.cache.block" in graph["hotprefix.cache.block_pool"]
+    assert "hotprefix.simulate.replay" in graph["hotprefix.simulate.sweep"]
+    assert not any(m.startswith("hotprefix.cache.") for m in graph["hotprefix.cache.block"]
+                   if m != "hotprefix.cache.hashing")
+
+
+def test_find_cycles_reports_a_circle():
+    g = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert find_cycles(g) == [["a", "b", "c", "a"]]
+    assert _describe(["a", "b", "c", "a"], g) == "a (line 1) -> b (line 2) -> c (line 3) -> a"
+    assert find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_import_cycle_at_run_time():
+    """Imports that execute when a module loads: no circle at all, known or not."""
+    graph = import_graph(runtime_only=True)
+    cycles = find_cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_no_import_cycle_among_hotprefix_modules():
+    """Type-hint imports included; circles listed in ``KNOWN_CYCLES`` are reported by the next
+    test instead."""
+    graph = import_graph()
+    new = [c for c in find_cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
+    assert not new, "import circles:\n" + "\n".join(_describe(c, graph) for c in new)
+
+
+@pytest.mark.xfail(reason="known import circles in code owned by other work: see KNOWN_CYCLES",
+                   strict=False)
+def test_known_cycles_are_gone():
+    graph = import_graph()
+    known = [c for c in find_cycles(graph) if frozenset(c) in KNOWN_CYCLES]
+    assert not known, "known import circles still present:\n" + "\n".join(
+        f"{_describe(c, graph)}\n    {KNOWN_CYCLES[frozenset(c)]}" for c in known)
