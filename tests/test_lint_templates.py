@@ -228,6 +228,10 @@ def test_python_source_templates(tok: Tokenizer, tmp_path: Path) -> None:
     ('now = datetime.now()\nPROMPT = f"Date {now:%d %B}. You are Orbit."', "{now:%d %B}"),
     ('started = config.start_label\nPROMPT = f"Up since {started}. You are Orbit."', None),
     ('when = time.time()\nPROMPT = f"Build {when}. You are Orbit."', "{when}"),  # followed
+    ('def f():\n    when = time.time()\n    return f"Build {when}. You are Orbit."', "{when}"),
+    # a parameter or loop variable shadows the module's name: not followed
+    ('when = time.time()\ndef f(when):\n    return f"Build {when}. You are Orbit."', None),
+    ('when = time.time()\nP = [f"Build {when}. You are Orbit." for when in builds]', None),
     ('PROMPT = "Today is {}. You are Orbit.".format(datetime.now().date())', "{}"),
     ('PROMPT = "Today is {0}. You are Orbit.".format(date.today())', "{0}"),
     ('PROMPT = "Today is {d}. You are Orbit.".format(**{"d": date.today()})', "{d}"),

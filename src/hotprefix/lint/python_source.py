@@ -9,10 +9,11 @@ Each of these becomes one template sample, its placeholders judged by the value 
 - concatenation: ``"Today is " + datetime.now().isoformat() + ". ..."``;
 - string constants holding template placeholders (``"Today is {{ now() }}. ..."`` for Jinja).
 
-A bare name is followed to the values assigned to it in the file (``now = time.time()`` makes
-``{now}`` volatile whatever its name). Templates that are logged, printed, raised, asserted or bound
-to a path, file name, URL or key are not prompts and are skipped; so are docstrings. Literal text in
-code is the same on every request, so only placeholders are checked, never literal values.
+A bare name is followed to the values its scope assigns it (``now = time.time()`` makes ``{now}``
+volatile whatever its name; a parameter or loop variable is not followed). Templates that are
+logged, printed, raised, asserted or bound to a path, file name, URL or key are not prompts and are
+skipped; so are docstrings. Literal text in code is the same on every request, so only placeholders
+are checked, never literal values.
 
 Knows nothing about tokenizers or findings.
 """
@@ -36,6 +37,8 @@ _SINK_TARGET = re.compile(r"(?i)(?:^|_)(?:path|file|filename|dir|dirname|url|uri
                           r"log|logger)(?:$|_)|(?:Path|File|Dir|Url|Key)$")
 _PERCENT = re.compile(r"%(?:\((?P<key>[^)]*)\))?[#0 +\-]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?"
                       r"(?P<conv>[diouxXeEfFgGcrsab%])")
+_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp,
+           ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _QUOTE = re.compile(r"[rRbBuUfF]{0,2}(\"\"\"|'''|\"|')")
 
 
@@ -77,14 +80,31 @@ class _Reader:
     def __init__(self, src: SourceFile, tree: ast.Module):
         self.src, self.tree = src, tree
         self.parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-        self.assigned: dict[str, list[ast.expr]] = {}
+        # (scope, name) -> the values assigned to it there (None: bound otherwise, not followed)
+        self.bindings: dict[tuple[ast.AST, str], list[ast.expr | None]] = {}
         for node in ast.walk(tree):
-            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
-                       if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value else [])
-            for t in targets:
-                if isinstance(t, ast.Name):
-                    self.assigned.setdefault(t.id, []).append(node.value)  # type: ignore[union-attr]
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                parent = self.parents.get(node)
+                value = None
+                if isinstance(parent, ast.Assign) and node in parent.targets or isinstance(
+                        parent, (ast.AnnAssign, ast.NamedExpr)) and parent.target is node:
+                    value = parent.value  # type: ignore[union-attr]
+                self.bindings.setdefault((self.scopes(node)[0], node.id), []).append(value)
+            elif isinstance(node, ast.arg):
+                self.bindings.setdefault((self.scopes(node)[0], node.arg), []).append(None)
         self.consumed: set[ast.AST] = set()
+
+    def scopes(self, node: ast.AST | None) -> list[ast.AST]:
+        """The scopes ``node`` sees names in, innermost first, the module last."""
+        found = [p for p in self.ancestors(node) if isinstance(p, _SCOPES)] if node else []
+        return found if found and found[-1] is self.tree else found + [self.tree]
+
+    def values_of(self, name: str, at: ast.AST | None) -> list[ast.expr]:
+        """What the innermost scope binding ``name`` (as seen from ``at``) assigns it."""
+        for scope in self.scopes(at):
+            if (scope, name) in self.bindings:
+                return [v for v in self.bindings[scope, name] if v is not None]
+        return []
 
     # ------------------------------------------------------------------ positions
     def offset(self, line: int, col: int) -> int:
@@ -110,15 +130,18 @@ class _Reader:
         return self.src.raw[self.start(node):self.end(node)]
 
     # ------------------------------------------------------------------ values
-    def cause(self, node: ast.AST | None, name: str = "", depth: int = 0) -> str | None:
+    def cause(self, node: ast.AST | None, name: str = "", depth: int = 0,
+              at: ast.AST | None = None) -> str | None:
         """What ``node`` evaluates to when that varies per request (see ``expression_cause``),
-        following bare names to what the file assigns them; ``name`` is the placeholder's own."""
+        following bare names to what their scope assigns them; ``name`` is the placeholder's own,
+        ``at`` where a node without a position (``**locals()``) is read."""
         cause = expression_cause(name) if name else None
         if node is None or cause:
             return cause
-        cause = expression_cause(self.source(node) if hasattr(node, "lineno") else _name_of(node) or "")
+        positioned = hasattr(node, "lineno")
+        cause = expression_cause(self.source(node) if positioned else _name_of(node) or "")
         if cause is None and isinstance(node, ast.Name) and depth < 3:
-            for value in self.assigned.get(node.id, []):
+            for value in self.values_of(node.id, node if positioned else at):
                 cause = cause or self.cause(value, depth=depth + 1)
         return cause
 
@@ -127,7 +150,7 @@ class _Reader:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node
         if isinstance(node, ast.Name):
-            for value in reversed(self.assigned.get(node.id, [])):
+            for value in reversed(self.values_of(node.id, node)):
                 if isinstance(value, ast.Constant) and isinstance(value.value, str):
                     return value
         return None
@@ -192,7 +215,7 @@ class _Reader:
             text = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
             at = raw.find(text, cursor, self.end(lit))
             cursor = at + len(text) if at >= 0 else cursor
-            t.placeholder(text, name, self.cause(value, head), at if at >= 0 else None,
+            t.placeholder(text, name, self.cause(value, head, at=call), at if at >= 0 else None,
                           cursor if at >= 0 else None)
         self.consumed.add(lit)
         return True
@@ -217,7 +240,7 @@ class _Reader:
             at = raw.find(m.group(0), cursor, self.end(lit))
             cursor = at + len(m.group(0)) if at >= 0 else cursor
             t.placeholder(m.group(0), key or (self.source(value) if value is not None else ""),
-                          self.cause(value, name), at if at >= 0 else None,
+                          self.cause(value, name, at=op), at if at >= 0 else None,
                           cursor if at >= 0 else None)
         t.literal(lit.value[last:])
         self.consumed.add(lit)
@@ -299,6 +322,7 @@ class _Reader:
         return syntax
 
     def ancestors(self, node: ast.AST) -> Any:
+        """``node``'s parents, innermost first."""
         while node in self.parents:
             node = self.parents[node]
             yield node
