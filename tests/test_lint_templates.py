@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hotprefix.lint import Finding, Report, lint_files, main
+from hotprefix.lint import Finding, Report, lint_files
 from hotprefix.tokenizer import Tokenizer
 from hotprefix.volatile import expression_cause, find_placeholders, find_volatile
 

@@ -16,8 +16,8 @@ would (chat requests through the tokenizer's chat template), tokenizes it, and r
 - with ``--tokenizers A B``: ``tokenizer_drift`` and ``tokenizer_fingerprint`` (trap 2).
 
 Files: ``samples`` (what a read input is), ``jsonpos`` (JSON with file positions), ``sources``
-(readers of request files and prompts, also used by ``hotprefix warm``), ``python_source`` and
-``js_source`` (templates in code), ``rendering`` (chat template + tokenizer), ``checks`` (volatile
+(readers of request files and prompts, also used by ``hotprefix warm``), ``python_source``,
+``python_module`` and ``js_source`` (templates in code), ``rendering`` (chat template + tokenizer), ``checks`` (volatile
 content, varying system prompts, a whole run), ``drift`` (two tokenizers), ``report`` (findings and
 their text), ``cli``. The detectors themselves live in ``hotprefix.volatile``, shared with the
 runtime's miss diagnosis, which never imports this package.
