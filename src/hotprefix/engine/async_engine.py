@@ -146,8 +146,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
 
         def add(engine: LLMEngine) -> Request:
-            if self.max_waiting is not None and len(engine.scheduler.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(engine.scheduler.waiting)} requests are waiting "
+            if self.max_waiting is not None and engine.num_waiting >= self.max_waiting:
+                raise QueueFull(f"{engine.num_waiting} requests are waiting "
                                 f"(max_waiting={self.max_waiting})")
             req = engine.add_request(prompt, params, request_id=request_id, **options)
             req.user_data = user_data

@@ -121,7 +121,7 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
-            raise RequestRejected(f"duplicate request id {rid}")
+            raise RequestRejected(f"duplicate request id {rid}", "duplicate_request_id")
         req = Request(request_id=rid, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                       salt=cache_salt, salt_from_block=salt_from_block, cache_write=cache_write,
                       priority=priority, pin_ttl_s=pin_ttl_s, params=params,
@@ -140,6 +140,11 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         self.scheduler.finish(req, "abort")
         return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

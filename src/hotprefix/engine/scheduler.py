@@ -30,7 +30,14 @@ ADMISSION_WINDOW = 64  # waiting requests considered for cache-aware ordering ea
 
 
 class RequestRejected(ValueError):
-    """The request can never run (too long for the model or the pool)."""
+    """The request can never run (too long for the model or the pool, empty, malformed).
+
+    ``code`` is a stable machine-readable name of the reason (the API's ``error.code``).
+    """
+
+    def __init__(self, message: str, code: str = "invalid_prompt"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -68,15 +75,17 @@ class Scheduler:
     def check(self, num_prompt_tokens: int) -> None:
         """Raise RequestRejected if a request of this size can never be served."""
         if num_prompt_tokens < 1:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "empty_prompt")
         if num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"the prompt has {num_prompt_tokens} tokens, but this model's max_model_len is "
-                f"{self.max_model_len} (prompt + at least one generated token must fit)")
+                f"{self.max_model_len} (prompt + at least one generated token must fit)",
+                "context_length_exceeded")
         if math.ceil((num_prompt_tokens + 1) / self.block_size) > self.manager.pool.num_blocks:
             raise RequestRejected(
                 f"the prompt has {num_prompt_tokens} tokens, more than the KV pool holds "
-                f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory")
+                f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory",
+                "context_length_exceeded")
 
     def add(self, req: Request) -> None:
         self.check(req.num_prompt_tokens)
