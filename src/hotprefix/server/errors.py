@@ -1,0 +1,122 @@
+"""Every error as OpenAI-style JSON ``{"error": {message, type, param, code}}``.
+
+``install(app)`` registers the handlers: ``APIError`` as raised, pydantic validation errors as 400s
+naming the parameter, 404/405/413 from routing and the body limit, anything else a logged 500.
+``rejection(exc, param)`` turns what the engine refuses at submit time into an ``APIError`` by the
+exception's type and its own ``code``, never by its message text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotprefix.engine.async_engine import EngineStopped, QueueFull
+from hotprefix.engine.engine import RequestOutput
+from hotprefix.engine.scheduler import RequestRejected
+from hotprefix.sampling import SamplingError
+from hotprefix.server.limits import CODE as TOO_LARGE_CODE
+from hotprefix.server.protocol import APIError, error_body
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+"""Seconds a client is asked to wait (``Retry-After``) when the queue is full or the engine stopped."""
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|json-or-python\[.*\]"
+                       r"|nullable\[.*\]|union\[.*\]|literal\[.*\]|tagged-union\[.*\]|[A-Z]\w*)$")
+
+
+def param_from_loc(loc: tuple) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``messages[0].role`` (pydantic's union tags dropped)."""
+    out = ""
+    for i, p in enumerate(loc):
+        if i == 0 and p in ("body", "query", "path", "header"):
+            continue
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not _TYPE_TAG.match(str(p)):
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def validation_message(err: dict[str, Any], param: str | None) -> str:
+    typ = err.get("type", "")
+    if typ == "json_invalid":
+        return f"We could not parse the JSON body of your request: {err.get('ctx', {}).get('error', 'invalid JSON')}."
+    if typ == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}"
+    if typ == "missing":
+        return f"Missing required parameter: '{param}'." if param else "The request body is missing."
+    msg = err.get("msg", "invalid value")
+    return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
+
+
+def rejection(exc: Exception, param: str) -> APIError:
+    """The API error for an exception raised while submitting a request (``param``: the prompt's)."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, QueueFull):
+        return APIError(503, f"The server is overloaded: {exc}. Retry later.", type="server_error",
+                        code="queue_full", headers=retry)
+    if isinstance(exc, EngineStopped):
+        return APIError(503, str(exc), type="server_error", code="engine_stopped", headers=retry)
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc), param=param, code=exc.code)
+    if isinstance(exc, SamplingError):
+        return APIError(400, str(exc), param=exc.param)
+    return APIError(400, str(exc), param=param)
+
+
+SUBMIT_ERRORS = (QueueFull, EngineStopped, RequestRejected, SamplingError, ValueError)
+"""What submitting a request may raise; ``rejection`` maps each to its API error."""
+
+
+def engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, f"The engine failed while running this request: {out.error}",
+                    type="server_error", code="engine_error")
+
+
+def install(app: FastAPI, count_rejected) -> None:
+    """Register the error handlers; ``count_rejected(status)`` is called for each refused request."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        count_rejected(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        count_rejected(400)
+        errors = exc.errors()
+        # a value error (a lone surrogate, say) names its field more precisely than a union's tags
+        err = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+        invalid_json = err.get("type") == "json_invalid"
+        param = None if invalid_json else param_from_loc(tuple(err.get("loc", ())))
+        return JSONResponse(error_body(validation_message(err, param), param=param,
+                                       code="invalid_json" if invalid_json else None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg, code = f"Unknown route: {request.method} {request.url.path}", "not_found"
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        elif exc.status_code == 413:
+            count_rejected(413)
+            msg, code = str(exc.detail), TOO_LARGE_CODE
+        else:
+            msg, code = str(exc.detail), None
+        return JSONResponse(error_body(msg, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)

@@ -1,0 +1,186 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one path for both.
+
+Each route turns its body into prompt token ids (tokenizing off the event loop), then
+``respond`` checks the model and the parameters, submits the request with the tenant's cache
+options, and answers as JSON or as a stream, with the cache report in the body (``hotprefix``),
+a header (``x-hotprefix-cache``) and a structured log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from hotprefix.engine.async_engine import RequestStream
+from hotprefix.engine.engine import RequestOutput
+from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.server import protocol as P
+from hotprefix.server.deps import get_state, tenant_dep
+from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
+from hotprefix.server.state import ServerState
+from hotprefix.server.streaming import collect, stream_response
+from hotprefix.server.tenants import Tenant
+from hotprefix.tokenizer import TokenizerError
+
+request_log = logging.getLogger("hotprefix.requests")
+router = APIRouter()
+
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client went away before the answer."""
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise P.APIError(400, f"The model '{model}' does not exist; this server serves "
+                              f"'{state.served_name}'.", param="model", code="model_not_found")
+
+
+def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None) -> dict[str, Any]:
+    """The engine's cache options for a request: the tenant's salt and defaults, the request's hints."""
+    cache_write = tenant.cache_write and not (ctl is not None and ctl.cache == "none")
+    priority = ctl.priority if ctl is not None and ctl.priority is not None else tenant.priority
+    ttl = ctl.ttl_s if ctl is not None and ctl.ttl_s is not None else tenant.ttl_s
+    return {"cache_salt": tenant.salt,
+            "salt_from_block": tenant.shared_prefix_tokens // state.block_size,
+            "cache_write": cache_write, "priority": int(priority or 0),
+            "pin_ttl_s": min(float(ttl or 0.0), P.MAX_TTL_S)}
+
+
+def sampling(body: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
+    opts: dict[str, Any] = dict(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k, seed=body.seed,
+        stop=body.stop if body.stop else None, stop_token_ids=body.stop_token_ids,
+        ignore_eos=bool(body.ignore_eos))
+    if max_tokens is not None:
+        opts["max_tokens"] = max_tokens
+    try:
+        return SamplingParams(**opts)
+    except SamplingError as e:
+        raise P.APIError(400, str(e), param=e.param) from None
+
+
+async def submit(state: ServerState, prompt: list[int], params: SamplingParams, rid: str,
+                 tenant: Tenant, ctl: P.CacheControl | None, prompt_param: str) -> RequestStream:
+    try:
+        return await state.aengine.add_request(prompt, params, rid, user_data=tenant.tag,
+                                               **cache_options(state, tenant, ctl))
+    except SUBMIT_ERRORS as e:
+        raise rejection(e, prompt_param) from None
+
+
+async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: str = "messages") -> list[int]:
+    if not messages:
+        raise P.APIError(400, "messages must contain at least one message.", param=param)
+    try:
+        ids = await state.encode(state.tokenizer.encode_chat, P.message_dicts(messages))
+    except TokenizerError as e:
+        raise P.APIError(400, str(e), param=param) from None
+    if not ids:
+        raise P.APIError(400, "The conversation renders to an empty prompt.", param=param)
+    return ids
+
+
+async def text_prompt(state: ServerState, prompt: Any, param: str) -> list[int]:
+    """A prompt given as text or as token ids; refused when empty."""
+    empty = P.APIError(400, f"{'The prompt' if param == 'prompt' else param} is empty.", param=param)
+    if isinstance(prompt, str) and not prompt:
+        raise empty
+    ids = await state.encode(state.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise empty
+    return ids
+
+
+def report_json(out: RequestOutput) -> dict[str, Any]:
+    """The cache report as the API returns it (a request that never ran reports ``not_admitted``)."""
+    if out.cache_report is not None:
+        return dict(out.cache_report)
+    return {"cached_tokens": 0, "computed_tokens": len(out.prompt_token_ids), "written_blocks": 0,
+            "miss_reason": "not_admitted", "miss_position": None, "detail": None}
+
+
+def cache_header(report: dict[str, Any]) -> str:
+    return f"{report.get('miss_reason')}; cached={report.get('cached_tokens', 0)}; " \
+           f"computed={report.get('computed_tokens', 0)}"
+
+
+def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -> dict[str, Any]:
+    """Metrics + structured log for a finished request; returns its cache report."""
+    rep = report_json(out)
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    state.metrics.observe_finished(route, out.finish_reason, n_prompt, out.num_cached_tokens,
+                                   n_out, out.ttft_s, out.e2e_s)
+    request_log.info(json.dumps({
+        "request_id": out.request_id, "route": route, "tenant": tenant.name,
+        "prompt_tokens": n_prompt, "completion_tokens": n_out,
+        "cached_tokens": out.num_cached_tokens, "miss_reason": rep.get("miss_reason"),
+        "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "e2e_s": out.e2e_s}))
+    return rep
+
+
+async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest,
+                  request: Request, tenant: Tenant, ids: list[int], max_tokens: int | None,
+                  chat: bool) -> Response:
+    route, field = ("chat", "messages") if chat else ("completions", "prompt")
+    params = sampling(body, max_tokens)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field)
+    if body.stream:
+        inc = bool(body.stream_options and body.stream_options.include_usage)
+        return stream_response(stream, chat, rid, created, state.served_name, inc,
+                               lambda out: finish(state, out, route, tenant))
+    out = await collect(stream, request)
+    if out is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if out.finish_reason == "error":
+        raise engine_error(out)
+    rep = finish(state, out, route, tenant)
+    if chat:
+        obj, choice = "chat.completion", {"message": {"role": "assistant", "content": out.text}}
+    else:
+        obj, choice = "text_completion", {"text": out.text}
+    return JSONResponse({
+        "id": rid, "object": obj, "created": created, "model": state.served_name,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}],
+        "usage": P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens),
+        "hotprefix": {"cache": rep}}, headers={"x-hotprefix-cache": cache_header(rep)})
+
+
+def check_request(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+    check_model(state, body.model)
+    bad = P.unsupported(body)
+    if bad:
+        raise P.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+
+@router.post("/v1/completions")
+async def completions(body: P.CompletionRequest, request: Request,
+                      tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
+    check_request(state, body)
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise P.APIError(400, "Only one prompt per request is supported.", param="prompt")
+        prompt = prompt[0]
+    ids = await text_prompt(state, prompt, "prompt")
+    return await respond(state, body, request, tenant, ids, body.max_tokens, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: P.ChatCompletionRequest, request: Request,
+                           tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
+    check_request(state, body)
+    ids = await chat_prompt(state, body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:  # chat: until the model stops or the context is full
+        max_tokens = max(1, state.max_model_len - len(ids))
+    return await respond(state, body, request, tenant, ids, max_tokens, chat=True)
