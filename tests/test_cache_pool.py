@@ -96,7 +96,7 @@ def test_exact_block_ids_and_hits():
     r2 = req("r2", list(range(8)) + [99, 98, 97])
     hits = run_prefill(m, r2)
     assert [b.block_id for b in hits] == [0, 1]
-    assert r2.cache_report["cached_tokens"] == 8 and r2.cache_report["miss_reason"] == "hit"
+    assert r2.cache_report.cached_tokens == 8 and r2.cache_report.miss_reason == "hit"
     assert m.block_table("r2") == [0, 1, 3]
     m.free(r2)
     m.pool.check_invariants()
@@ -109,8 +109,8 @@ def test_last_token_always_computed():
     r2 = req("r2", range(8))  # identical, exactly 2 blocks
     hits = run_prefill(m, r2)
     assert len(hits) == 1  # 7 tokens max from cache -> 1 full block
-    assert r2.cache_report["cached_tokens"] == 4 and r2.cache_report["computed_tokens"] == 4
-    assert r2.cache_report["miss_reason"] == "hit"  # everything cacheable hit
+    assert r2.cache_report.cached_tokens == 4 and r2.cache_report.computed_tokens == 4
+    assert r2.cache_report.miss_reason == "hit"  # everything cacheable hit
     m.free(r2)
 
 
@@ -130,7 +130,7 @@ def test_eviction_order_lru_tail_first():
     # a's blocks are gone: a miss reported as evicted
     ra2 = req("a2", range(100, 108))
     run_prefill(m, ra2)
-    assert ra2.cache_report["miss_reason"] == "evicted"
+    assert ra2.cache_report.miss_reason == "evicted"
     m.free(ra2)
     m.pool.check_invariants()
 
@@ -226,35 +226,35 @@ def test_miss_reasons_diverged_salt_namespace_too_short(tmp_path):
     finish(m, req("a", base, salt="t1"))
     d = req("d", base[:5] + [99] + base[6:], salt="t1")
     run_prefill(m, d)
-    assert d.cache_report["miss_reason"] == "diverged"
-    assert d.cache_report["miss_position"] == 5
-    assert d.cache_report["detail"]["block_index"] == 1
+    assert d.cache_report.miss_reason == "diverged"
+    assert d.cache_report.miss_position == 5
+    assert d.cache_report.detail["block_index"] == 1
     m.free(d)
     # another tenant sending t1's prompt is told "cold", like any new prompt; only the operator's
     # aggregate shows the cross-tenant duplicate as "salt"
     s = req("s", base, salt="t2")
     run_prefill(m, s)
-    assert s.cache_report["miss_reason"] == "cold" and s.cache_report["cached_tokens"] == 0
+    assert s.cache_report.miss_reason == "cold" and s.cache_report.cached_tokens == 0
     assert "salt" not in str(s.cache_report)
     assert m.snapshot()["requests_by_reason"].get("salt") == 1
     assert m.tenant_snapshot("t2")["requests_by_reason"] == {"cold": 1}
     m.free(s)
     short = req("x", [1, 2, 3])
     run_prefill(m, short)
-    assert short.cache_report["miss_reason"] == "too_short"
+    assert short.cache_report.miss_reason == "too_short"
     m.ledger.flush()
     # a "restart" under another namespace with the same state directory
     m2 = KVCacheManager(BlockPool(20, BS), BlockHasher(namespace_key("model-a", "tok-NEW"), BS), True,
                         ledger=ContentLedger(StateDir(str(tmp_path))))
     n = req("n", base, salt="t1")
     run_prefill(m2, n)
-    assert n.cache_report["miss_reason"] == "namespace"
+    assert n.cache_report.miss_reason == "namespace"
     other = req("o", base, salt="t3")  # never cached these tokens itself: no namespace hint
     run_prefill(m2, other)
-    assert other.cache_report["miss_reason"] == "cold"
+    assert other.cache_report.miss_reason == "cold"
     cold = req("c", [5] * 11)
     run_prefill(m2, cold)
-    assert cold.cache_report["miss_reason"] == "cold"
+    assert cold.cache_report.miss_reason == "cold"
 
 
 def test_stats_counts():
@@ -299,7 +299,7 @@ def test_cache_write_false_writes_nothing():
     m = make(6)
     r = req("a", range(9), cache_write=False)
     finish(m, r)
-    assert m.pool.num_cached == 0 and r.cache_report["written_blocks"] == 0
+    assert m.pool.num_cached == 0 and r.cache_report.written_blocks == 0
 
 
 def test_freq_credit_lapses_past_the_learned_reuse_window():

@@ -31,7 +31,7 @@ def test_a_new_system_prompt_is_cold_not_diverged_in_the_template(llm):
     o = chat(llm, [{"role": "system", "content": "Translate every message into French, politely. " * 4},
                    {"role": "user", "content": "Hello"}])
     rep = o.cache_report
-    assert rep["miss_reason"] == "cold" and rep["cached_tokens"] == 0, rep
+    assert rep.miss_reason == "cold" and rep.cached_tokens == 0, rep
     assert "sent_excerpt" not in str(rep)
 
 
@@ -44,10 +44,10 @@ def test_the_next_turn_of_a_chat_is_extended(llm):
              {"role": "user", "content": "And do you have anything without gluten on Tuesdays?"}]
     second = chat(llm, conv)
     rep = second.cache_report
-    assert rep["cached_tokens"] >= 0.6 * len(second.prompt_token_ids)
-    assert rep["miss_reason"] == "extended", rep
-    assert rep["miss_position"] == rep["cached_tokens"]
-    assert "came from cache" in rep["detail"]["note"]
+    assert rep.cached_tokens >= 0.6 * len(second.prompt_token_ids)
+    assert rep.miss_reason == "extended", rep
+    assert rep.miss_position == rep.cached_tokens
+    assert "came from cache" in rep.detail["note"]
     stats = llm.cache_stats()
     assert stats["requests_by_reason"].get("extended", 0) >= 1
 
@@ -58,6 +58,24 @@ def test_a_divergence_past_the_template_opening_is_still_diverged(llm):
     chat(llm, [{"role": "system", "content": base + "Request 1001."}, {"role": "user", "content": "Hi"}])
     o = chat(llm, [{"role": "system", "content": base + "Request 2002."}, {"role": "user", "content": "Hi"}])
     rep = o.cache_report
-    assert rep["miss_reason"] == "diverged", rep
-    assert rep["miss_position"] > len(llm.engine.cache.fixed_prefix) + 16
-    assert "1001" in rep["detail"]["cached_excerpt"] and "2002" in rep["detail"]["sent_excerpt"]
+    assert rep.miss_reason == "diverged", rep
+    assert rep.miss_position > len(llm.engine.cache.fixed_prefix) + 16
+    assert "1001" in rep.detail["cached_excerpt"] and "2002" in rep.detail["sent_excerpt"]
+
+
+def test_the_report_type_keeps_the_api_fields_and_the_readme_lists_every_reason():
+    import os
+    import re
+
+    from hotprefix.cache.report import CacheReport, MissReason
+
+    rep = CacheReport(16, 5, written_blocks=2, miss_reason=MissReason.EXTENDED, miss_position=16,
+                      detail={"block_index": 1})
+    assert rep.to_json() == {"cached_tokens": 16, "computed_tokens": 5, "written_blocks": 2,
+                             "miss_reason": "extended", "miss_position": 16,
+                             "detail": {"block_index": 1}}
+    assert CacheReport.not_admitted(7).to_json()["miss_reason"] == "not_admitted"
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    listed = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
+    assert {r.value for r in MissReason} <= listed | {"salt"}  # salt: the operator's row, in prose
+    assert "`salt`" in readme

@@ -38,10 +38,10 @@ def test_second_request_hits_full_blocks_of_shared_system_prompt(real_llm):
     assert o1.num_cached_tokens == 0
     assert o2.num_cached_tokens == (shared // bs) * bs
     assert o2.num_cached_tokens > 200
-    assert o2.cache_report["cached_tokens"] == o2.num_cached_tokens
-    assert o2.cache_report["computed_tokens"] == len(b) - o2.num_cached_tokens
+    assert o2.cache_report.cached_tokens == o2.num_cached_tokens
+    assert o2.cache_report.computed_tokens == len(b) - o2.num_cached_tokens
     # prompt + answer tokens whose K/V were computed (the last sampled token never was)
-    assert o1.cache_report["written_blocks"] == (len(a) + len(o1.token_ids) - 1) // bs
+    assert o1.cache_report.written_blocks == (len(a) + len(o1.token_ids) - 1) // bs
     stats = real_llm.cache_stats()
     assert stats["blocks_in_use"] == 0 and stats["hit_tokens"] >= o2.num_cached_tokens
 
@@ -73,8 +73,8 @@ def test_timestamp_in_first_line_gets_zero_and_is_explained(real_llm):
     o2 = real_llm.generate([f"Request received at {t2}{body}"], GREEDY)[0]
     assert o1.num_cached_tokens == 0 and o2.num_cached_tokens == 0
     rep = o2.cache_report
-    assert rep["miss_reason"] == "diverged" and rep["detail"]["block_index"] == 0
-    d = rep["detail"]
+    assert rep.miss_reason == "diverged" and rep.detail["block_index"] == 0
+    d = rep.detail
     assert d["likely_cause"] in ("timestamp", "date")
     assert "30T14:47:43" in d["sent_excerpt"] and "29T09:15:02" in d["cached_excerpt"]
     causes = real_llm.cache_stats()["top_miss_causes"]
@@ -82,7 +82,7 @@ def test_timestamp_in_first_line_gets_zero_and_is_explained(real_llm):
                for c in causes)
     # the diverging token position is inside the timestamp
     prefix_len = len(real_llm.tokenizer.encode("Request received at 2026-11-"))
-    assert prefix_len - 2 <= rep["miss_position"] <= prefix_len + 1
+    assert prefix_len - 2 <= rep.miss_position <= prefix_len + 1
 
 
 def test_tenant_salts_never_share(real_llm):
@@ -93,7 +93,7 @@ def test_tenant_salts_never_share(real_llm):
     a2 = real_llm.generate([p], GREEDY, cache_salt="tenant-a")[0]
     assert a1.num_cached_tokens == 0
     assert b1.num_cached_tokens == 0
-    assert b1.cache_report["miss_reason"] == "cold"  # never told another tenant holds it
+    assert b1.cache_report.miss_reason == "cold"  # never told another tenant holds it
     assert real_llm.cache_stats()["requests_by_reason"].get("salt", 0) >= 1  # the operator is
     assert "tenant-a" not in str(b1.cache_report)
     assert a2.num_cached_tokens > 200
@@ -102,9 +102,9 @@ def test_tenant_salts_never_share(real_llm):
 
 def test_too_short_and_cold(real_llm):
     o = real_llm.generate(["Hi there"], GREEDY)[0]
-    assert o.cache_report["miss_reason"] == "too_short" and o.num_cached_tokens == 0
+    assert o.cache_report.miss_reason == "too_short" and o.num_cached_tokens == 0
     o = real_llm.generate(["A completely new prompt about lighthouses and their keepers, " * 3], GREEDY)[0]
-    assert o.cache_report["miss_reason"] == "cold" and o.cache_report["miss_position"] == 0
+    assert o.cache_report.miss_reason == "cold" and o.cache_report.miss_position == 0
 
 
 def test_greedy_identical_with_caching_on_and_off(real_llm):
@@ -148,7 +148,7 @@ def test_deterministic_mode_bit_identical_logits_real_model():
         req = eng.add_request(ids, SamplingParams(max_tokens=1))
         sched = eng.scheduler.schedule()
         assert sched.chunks[0].start == expect_start
-        tables = {id(c.request): eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+        tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
         logits, _ = eng.runner.forward_logits(sched.chunks, tables)
         eng.scheduler.update(sched, {})
         eng.abort(req.request_id)
@@ -174,7 +174,7 @@ def test_evicted_and_namespace_reasons(tmp_path, default_tokenizer):
         small.generate([f"Filler document {i}: " + "lorem ipsum dolor sit amet " * 40], GREEDY)
     assert small.cache_stats()["evictions"] > 0
     o = small.generate([p1], GREEDY)[0]
-    assert o.cache_report["miss_reason"] == "evicted"
+    assert o.cache_report.miss_reason == "evicted"
     small.generate([p1], GREEDY)  # cached again under the old namespace
     # "restart" with a tokenizer whose chat template changed: same token ids, new fingerprint
     tok_dir = tmp_path / "tok"
@@ -189,4 +189,4 @@ def test_evicted_and_namespace_reasons(tmp_path, default_tokenizer):
     assert restarted.engine.tokenizer_fingerprint != small.engine.tokenizer_fingerprint
     o = restarted.generate([p1], GREEDY)[0]
     assert o.num_cached_tokens == 0
-    assert o.cache_report["miss_reason"] == "namespace"
+    assert o.cache_report.miss_reason == "namespace"

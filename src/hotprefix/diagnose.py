@@ -10,17 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from hotprefix.cache.diagnosis import common_prefix_len
+from hotprefix.cache.report import CacheReport, MissReason
 from hotprefix.volatile import find_volatile
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
 
-def explain(report: dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+def explain(report: CacheReport, tokenizer: Tokenizer) -> CacheReport:
     """Add human-readable excerpts (and a cause guess) to a ``diverged`` report, in place.
 
     Token ids are dropped from the detail once decoded: the report carries text only.
     """
-    detail = report.get("detail") or {}
-    if report.get("miss_reason") != "diverged" or "sent_token_ids" not in detail:
+    detail = report.detail or {}
+    if report.miss_reason != MissReason.DIVERGED or "sent_token_ids" not in detail:
         return report
     ctx = detail.pop("context_token_ids", [])
     sent_ids = detail.pop("sent_token_ids", [])

@@ -7,25 +7,17 @@ tenant's prompt gets the same answer as a wrong one. What the operator should kn
 cross-tenant duplication (the same tokens cached under another salt) comes back separately as the
 ``operator_reason`` and only reaches the admin aggregate.
 
-Reasons (tenant-facing):
-  ``hit``        every cacheable block came from cache;
-  ``too_short``  the prompt is shorter than one block plus the token that is always computed;
-  ``extended``   a cached prefix was reused and the prompt goes on past everything cached
-                 (the next turn of a chat, a new question after a cached document);
-  ``cold``       nothing of this prompt (beyond the chat template's fixed opening) was cached;
-  ``diverged``   a cached prompt readable by this tenant shares a prefix with this one and then
-                 differs inside a block (a timestamp, an id...): the excerpts show where;
-  ``evicted``    this tenant's blocks for these tokens were cached here and were evicted;
-  ``namespace``  this tenant cached these tokens under another model or tokenizer fingerprint.
-Operator-only: ``salt`` (another tenant holds the same tokens; the tenant sees ``cold`` or
-``extended``).
+The reasons are defined in ``hotprefix.cache.report.MissReason``.
 
 Knows blocks and token ids; knows nothing about text, tensors or HTTP. Imports no torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+from hotprefix.cache.report import MissReason
 
 if TYPE_CHECKING:
     from hotprefix.cache.manager import CacheRequest, KVCacheManager
@@ -56,48 +48,57 @@ def readable(block_depth: int, block_salt: str | None, req: "CacheRequest") -> b
     return True
 
 
-def miss_reason(m: "KVCacheManager", req: "CacheRequest", k: int) -> tuple[dict[str, Any], str | None]:
-    """(report fields, operator-only reason or None) for a prompt whose block ``k`` missed."""
+@dataclass(frozen=True)
+class Miss:
+    """What ``miss_reason`` found: the tenant-facing reason, where, the facts, and the operator's."""
+
+    reason: MissReason
+    position: int
+    detail: dict[str, Any]
+    operator_reason: MissReason | None = None
+
+
+def miss_reason(m: "KVCacheManager", req: "CacheRequest", k: int) -> Miss:
+    """Why the prompt of ``req``, whose block ``k`` missed, stopped hitting there."""
     keys = m.keys(req)
     bs = m.block_size
     pos = k * bs
-    base: dict[str, Any] = {"miss_position": pos}
     if m.pool.was_evicted(keys[k]):
-        return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}, None
+        return Miss(MissReason.EVICTED, pos, {"block_index": k})
     operator = None
     if not req.keys_given:
         content = m.content_keys(req, k + 1)[k]
         scope = req.salt if k >= req.salt_from_block else None
         namespaces = m.ledger.lookup(content, scope)
         if m.namespace_tag in namespaces:  # this tenant cached it here before; it is gone now
-            return {**base, "miss_reason": "evicted", "detail": {"block_index": k}}, None
+            return Miss(MissReason.EVICTED, pos, {"block_index": k})
         if namespaces:
-            return {**base, "miss_reason": "namespace", "detail": {
+            return Miss(MissReason.NAMESPACE, pos, {
                 "block_index": k, "note": "you cached these tokens under another model or tokenizer "
                 "fingerprint (checkpoint or tokenizer change)",
-                "other_namespaces": sorted(namespaces)[:4]}}, None
+                "other_namespaces": sorted(namespaces)[:4]})
         if m.ledger.held_by_other_scope(content, m.namespace_tag, scope):
-            operator = "salt"
+            operator = MissReason.SALT
     parent = keys[k - 1] if k else m.hasher.namespace
     siblings = [b for b in m.pool.cached_children(parent) if readable(k, b.salt, req)]
     if siblings and req.keys_given:  # trace replay: no tokens to compare
-        return {**base, "miss_reason": "diverged", "detail": {"block_index": k}}, operator
+        return Miss(MissReason.DIVERGED, pos, {"block_index": k}, operator)
     if siblings:
         sent = req.token_ids[pos:pos + bs]
         best, common = max(((b, common_prefix_len(sent, b.token_ids or ())) for b in siblings),
                            key=lambda bc: bc[1])
         n = pos + common
         if n > m.fixed_prefix_len(req.token_ids):
-            return {**base, "miss_position": n, "miss_reason": "diverged",
-                    "detail": {"block_index": k, "matched_tokens": n,
-                               "context_token_ids": list(req.token_ids[max(0, n - CONTEXT_TOKENS):n]),
-                               "sent_token_ids": list(req.token_ids[n:n + EXCERPT_TOKENS]),
-                               "cached_token_ids": _cached_excerpt(m, req, best, common)}}, operator
+            return Miss(MissReason.DIVERGED, n, {
+                "block_index": k, "matched_tokens": n,
+                "context_token_ids": list(req.token_ids[max(0, n - CONTEXT_TOKENS):n]),
+                "sent_token_ids": list(req.token_ids[n:n + EXCERPT_TOKENS]),
+                "cached_token_ids": _cached_excerpt(m, req, best, common)}, operator)
     if k == 0:
-        return {**base, "miss_reason": "cold", "detail": {"block_index": k}}, operator
-    return {**base, "miss_reason": "extended", "detail": {
+        return Miss(MissReason.COLD, pos, {"block_index": k}, operator)
+    return Miss(MissReason.EXTENDED, pos, {
         "block_index": k, "note": f"the first {pos} tokens came from cache; the prompt goes on past "
-        "everything cached (new text, e.g. the next turn of a conversation)"}}, operator
+        "everything cached (new text, e.g. the next turn of a conversation)"}, operator)
 
 
 def _cached_excerpt(m: "KVCacheManager", req: "CacheRequest", best, common: int) -> list[int]:

@@ -28,6 +28,8 @@ from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.diagnosis import common_prefix_len, miss_reason
 from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.report import CacheReport, MissReason
+from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats, request_figures
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,11 @@ class CacheRequest:
     """Keys of the full blocks of token_ids, filled lazily (or given by a trace replay)."""
     keys_given: bool = False
     """block_keys come from outside (trace replay): never recompute them from tokens."""
-    cache_report: dict[str, Any] | None = None
+    cache_report: CacheReport | None = None
     """The miss report of this request's first admission."""
     content_keys: list[BlockKey] = field(default_factory=list)
     """Key chain of the tokens alone (no namespace, no salt), filled lazily for diagnosis."""
-    operator_reason: str | None = None
+    operator_reason: MissReason | None = None
     """A miss reason only the operator may see (``salt``); never part of ``cache_report``."""
 
 
@@ -124,8 +126,8 @@ class KVCacheManager:
             return []
         keys = self.keys(req)
         bs = self.block_size
-        limit = min(len(keys), (len(req.token_ids) - 1) // bs) if not req.keys_given else \
-            min(len(keys), max(0, (req.num_prompt_tokens - 1) // bs))
+        known = req.num_prompt_tokens if req.keys_given else len(req.token_ids)
+        limit = min(len(keys), cacheable_blocks(known, bs))
         hits: list[KVBlock] = []
         for i in range(limit):
             toks = None if req.keys_given else req.token_ids[i * bs:(i + 1) * bs]
@@ -224,7 +226,7 @@ class KVCacheManager:
             self.stats.written_blocks += 1
             self.tenant_stats(req.salt).written_blocks += 1
             if req.cache_report is not None:
-                req.cache_report["written_blocks"] += 1
+                req.cache_report.written_blocks += 1
             if not req.keys_given:
                 self._record_content(req, i)
         st.num_committed = max(st.num_committed, n_full)
@@ -268,30 +270,27 @@ class KVCacheManager:
         return {"dropped_blocks": dropped, "in_use_blocks_kept": kept}
 
     # ------------------------------------------------------------------ miss report
-    def report(self, req: CacheRequest, hits: list[KVBlock]) -> dict[str, Any]:
+    def report(self, req: CacheRequest, hits: list[KVBlock]) -> CacheReport:
         """Why the prompt did (not) hit further; recorded in the stats. Call once per request."""
         bs = self.block_size
         n_prompt = req.num_prompt_tokens
-        cacheable = max(0, (n_prompt - 1) // bs)
+        cacheable = cacheable_blocks(n_prompt, bs)
         n_hit = len(hits)
         cached_tokens = n_hit * bs
-        rep: dict[str, Any] = {
-            "cached_tokens": cached_tokens, "computed_tokens": n_prompt - cached_tokens,
-            "written_blocks": 0, "miss_reason": "hit", "miss_position": None, "detail": None,
-        }
+        rep = CacheReport(cached_tokens, n_prompt - cached_tokens)
         if not self.enabled:
-            rep.update(miss_reason="cold", detail={"note": "prefix caching is disabled"})
+            rep.miss_reason, rep.detail = MissReason.COLD, {"note": "prefix caching is disabled"}
         elif cacheable == 0:
-            rep.update(miss_reason="too_short", detail={
-                "note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the last token "
-                        "is always computed"})
+            rep.miss_reason = MissReason.TOO_SHORT
+            rep.detail = {"note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the "
+                                  "last token is always computed"}
         elif n_hit < cacheable:
-            fields, operator = miss_reason(self, req, n_hit)
-            rep.update(fields)
-            req.operator_reason = operator
+            miss = miss_reason(self, req, n_hit)
+            rep.miss_reason, rep.miss_position, rep.detail = miss.reason, miss.position, miss.detail
+            req.operator_reason = miss.operator_reason
         missed = n_prompt - cached_tokens
-        self.stats.record(n_prompt, cached_tokens, req.operator_reason or rep["miss_reason"], missed)
-        self.tenant_stats(req.salt).record(n_prompt, cached_tokens, rep["miss_reason"], missed)
+        self.stats.record(n_prompt, cached_tokens, req.operator_reason or rep.miss_reason, missed)
+        self.tenant_stats(req.salt).record(n_prompt, cached_tokens, rep.miss_reason, missed)
         req.cache_report = rep
         return rep
 
@@ -311,10 +310,9 @@ class KVCacheManager:
         rep = req.cache_report
         if rep is None:
             return
-        block = (rep.get("detail") or {}).get("block_index")
-        tokens = rep["computed_tokens"]
-        self.tenant_stats(req.salt).record_cause(rep["miss_reason"], cause, block, tokens)
-        self.stats.record_cause(req.operator_reason or rep["miss_reason"], cause, block, tokens)
+        block = (rep.detail or {}).get("block_index")
+        self.tenant_stats(req.salt).record_cause(rep.miss_reason, cause, block, rep.computed_tokens)
+        self.stats.record_cause(req.operator_reason or rep.miss_reason, cause, block, rep.computed_tokens)
 
     def content_keys(self, req: CacheRequest, n: int) -> list[BlockKey]:
         """Key chain of the tokens alone: no namespace, no salt (for namespace/salt diagnosis)."""

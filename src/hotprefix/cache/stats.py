@@ -25,18 +25,32 @@ class CacheStats:
     requests_by_reason: Counter = field(default_factory=Counter)
     miss_causes: Counter = field(default_factory=Counter)
     """Uncached prompt tokens by (reason, likely cause, block index) — what an operator acts on."""
-    recent: deque = field(default_factory=deque)
+    recent: deque = field(init=False, repr=False)
+    """(queried, hit) prompt tokens of the last ``window`` requests (a deque bounded by ``window``)."""
+    recent_queried_tokens: int = field(default=0, init=False)
+    """Prompt tokens looked up by the requests in ``recent`` (a running sum)."""
+    recent_hit_tokens: int = field(default=0, init=False)
+    """Prompt tokens served from cache to the requests in ``recent`` (a running sum)."""
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.window)
 
     def record(self, queried: int, hit: int, reason: str, missed_tokens: int) -> None:
+        reason = str(reason)  # a MissReason counts under its value
         self.queries_tokens += queried
         self.hit_tokens += hit
         self.num_requests += 1
         self.requests_by_reason[reason] += 1
         if missed_tokens and reason != "hit":  # after a full hit the rest was never cacheable
             self.miss_tokens_by_reason[reason] += missed_tokens
-        self.recent.append((queried, hit))
-        while len(self.recent) > self.window:
-            self.recent.popleft()
+        if self.recent.maxlen:
+            if len(self.recent) == self.recent.maxlen:  # the oldest falls out on append
+                old_queried, old_hit = self.recent[0]
+                self.recent_queried_tokens -= old_queried
+                self.recent_hit_tokens -= old_hit
+            self.recent.append((queried, hit))
+            self.recent_queried_tokens += queried
+            self.recent_hit_tokens += hit
 
     @property
     def hit_rate(self) -> float:
@@ -44,8 +58,8 @@ class CacheStats:
 
     @property
     def recent_hit_rate(self) -> float:
-        q = sum(x for x, _ in self.recent)
-        return sum(h for _, h in self.recent) / q if q else 0.0
+        q = self.recent_queried_tokens
+        return self.recent_hit_tokens / q if q else 0.0
 
     def miss_breakdown(self) -> dict[str, float]:
         """Share of uncached prompt tokens by reason."""
@@ -53,6 +67,7 @@ class CacheStats:
         return {k: v / total for k, v in self.miss_tokens_by_reason.most_common()} if total else {}
 
     def record_cause(self, reason: str, cause: str | None, block_index: int | None, tokens: int) -> None:
+        reason = str(reason)
         if reason != "hit" and tokens:
             self.miss_causes[(reason, cause or "", -1 if block_index is None else block_index)] += tokens
 
@@ -75,6 +90,7 @@ class CacheStats:
         self.requests_by_reason.clear()
         self.miss_causes.clear()
         self.recent.clear()
+        self.recent_queried_tokens = self.recent_hit_tokens = 0
 
 
 def request_figures(s: CacheStats) -> dict:

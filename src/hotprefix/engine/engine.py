@@ -19,6 +19,7 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.state_dir import StateDir, StateDirError
 from hotprefix.cache.manager import KVCacheManager
+from hotprefix.cache.report import CacheReport
 from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
@@ -57,7 +58,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
-    cache_report: dict[str, Any] | None
+    cache_report: CacheReport | None
+    """Where the prompt's tokens came from and why the rest missed (None: never admitted)."""
     ttft_s: float | None
     """Seconds from arrival to the first generated token."""
     token_latencies_s: list[float] = field(default_factory=list)
@@ -153,7 +155,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch; outputs of requests that progressed."""
         sched = self.scheduler.schedule()
-        tables = {id(c.request): self.cache.block_table(c.request.request_id) for c in sched.chunks}
+        tables = {c.request.request_id: self.cache.block_table(c.request.request_id) for c in sched.chunks}
         sampled = self.runner.run(sched.chunks, tables)
         advanced = self.scheduler.update(sched, sampled)
         now = time.monotonic()
@@ -174,7 +176,7 @@ class LLMEngine:
             rep = req.cache_report
             if rep is not None:
                 explain(rep, self.tokenizer)
-                self.cache.record_cause(req, (rep.get("detail") or {}).get("likely_cause"))
+                self.cache.record_cause(req, (rep.detail or {}).get("likely_cause"))
         req.token_times.append(now)
         tok = req.token_ids[-1]
         p = req.params

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from hotprefix.cache.report import CacheReport
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
@@ -101,10 +102,8 @@ async def text_prompt(state: ServerState, prompt: Any, param: str) -> list[int]:
 
 def report_json(out: RequestOutput) -> dict[str, Any]:
     """The cache report as the API returns it (a request that never ran reports ``not_admitted``)."""
-    if out.cache_report is not None:
-        return dict(out.cache_report)
-    return {"cached_tokens": 0, "computed_tokens": len(out.prompt_token_ids), "written_blocks": 0,
-            "miss_reason": "not_admitted", "miss_position": None, "detail": None}
+    rep = out.cache_report or CacheReport.not_admitted(len(out.prompt_token_ids))
+    return rep.to_json()
 
 
 def cache_header(report: dict[str, Any]) -> str:

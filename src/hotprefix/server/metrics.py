@@ -12,13 +12,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hotprefix.cache.report import OPERATOR_ONLY
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-
-
-OPERATOR_ONLY_REASONS = {"salt": "cold"}
-"""Miss reasons only the operator may see, and what a tenant-readable view counts them as."""
 
 
 def fold_operator_reasons(stats: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +25,7 @@ def fold_operator_reasons(stats: dict[str, Any]) -> dict[str, Any]:
     for key in ("miss_tokens_by_reason", "requests_by_reason"):
         folded: dict[str, int] = {}
         for reason, n in (stats.get(key) or {}).items():
-            r = OPERATOR_ONLY_REASONS.get(reason, reason)
+            r = str(OPERATOR_ONLY.get(reason, reason))  # type: ignore[call-overload]
             folded[r] = folded.get(r, 0) + n
         out[key] = folded
     return out
@@ -48,11 +46,11 @@ class _CacheCollector:
             ("hotprefix_prefix_cache_written_blocks", "Blocks added to the prefix cache.", "written_blocks"),
         ]
         for name, doc, key in counters:
-            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0)))
+            yield CounterMetricFamily(name, doc, value=float(s[key]))  # a renamed key fails loudly
         miss = CounterMetricFamily("hotprefix_prefix_cache_miss_tokens",
                                    "Uncached prompt tokens, by the miss reason of their request.",
                                    labels=["reason"])
-        for reason, n in sorted((s.get("miss_tokens_by_reason") or {}).items()):
+        for reason, n in sorted(s["miss_tokens_by_reason"].items()):
             miss.add_metric([reason], float(n))
         yield miss
         gauges = [
@@ -69,14 +67,14 @@ class _CacheCollector:
             ("hotprefix_num_requests_waiting", "Requests waiting for admission.", "waiting"),
         ]
         for name, doc, key in gauges:
-            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
-        state = s.get("state") or {}
+            yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        state = s["state"]
         yield CounterMetricFamily("hotprefix_state_write_failures",
                                   "Failed attempts to persist cache state (requests never fail on them).",
-                                  value=float(state.get("write_failures", 0)))
+                                  value=float(state["write_failures"]))
         yield GaugeMetricFamily("hotprefix_state_degraded",
                                 "1 while the state directory cannot be written, else 0.",
-                                value=1.0 if state.get("status") == "degraded" else 0.0)
+                                value=1.0 if state["status"] == "degraded" else 0.0)
 
 
 class ServerMetrics:
