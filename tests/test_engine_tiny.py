@@ -201,14 +201,14 @@ def test_deterministic_mode_bit_identical_logits(tiny_model_dir):
     r2 = eng.add_request(prompt, greedy(1))
     sched = eng.scheduler.schedule()
     assert sched.chunks[0].start == 48  # 3 blocks from cache
-    tables = {id(c.request): eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
     cached_logits, _ = eng.runner.forward_logits(sched.chunks, tables)
     eng.scheduler.finish(r2, "abort")
     r3 = eng.add_request(prompt, greedy(1))
     eng.reset_prefix_cache()
     sched = eng.scheduler.schedule()
     assert sched.chunks[0].start == 0
-    tables = {id(c.request): eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
     fresh_logits, _ = eng.runner.forward_logits(sched.chunks, tables)
     eng.scheduler.finish(r3, "abort")
     assert torch.equal(cached_logits, fresh_logits)

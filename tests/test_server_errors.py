@@ -14,7 +14,7 @@ import pytest
 from hotprefix.cli import build_parser
 from hotprefix.config import ServerConfig
 from hotprefix.server.tenants import tenant_tag
-from test_server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
+from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 
 MAX_MODEL_LEN = 512
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
-from test_server_support import LiveServer, tiny_config, wait_idle
+from server_support import LiveServer, tiny_config, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import LONG_SYSTEM, free_port, wait_idle
+from server_support import LONG_SYSTEM, free_port, wait_idle
 
 NUM_CLIENTS = 32
 MAX_TOKENS = 16

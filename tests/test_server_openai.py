@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from hotprefix.config import EngineConfig, ServerConfig
-from test_server_support import LONG_SYSTEM, LiveServer, wait_idle
+from server_support import LONG_SYSTEM, LiveServer, wait_idle
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")
 pytestmark = pytest.mark.model

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from hotprefix.config import ServerConfig
-from test_server_support import LiveServer, tiny_config, wait_idle
+from server_support import LiveServer, tiny_config, wait_idle
 
 BS = 16
 SHARED = 32  # two shared blocks for the "shared" tenants

@@ -16,7 +16,7 @@ from hotprefix.cache.ledger import ContentLedger, format_record, parse_record
 from hotprefix.cache.state_dir import StateDir
 from hotprefix.config import ConfigError, ServerConfig
 from hotprefix.engine.engine import LLMEngine
-from test_server_support import LiveServer, tiny_config
+from server_support import LiveServer, tiny_config
 
 KEY = bytes(range(16))
 

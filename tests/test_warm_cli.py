@@ -9,7 +9,7 @@ import pytest
 
 from hotprefix.config import EngineConfig
 from hotprefix.warm import main as warm_main
-from test_server_support import LONG_SYSTEM, LiveServer
+from server_support import LONG_SYSTEM, LiveServer
 
 
 @pytest.fixture(scope="module")
