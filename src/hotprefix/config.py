@@ -8,37 +8,42 @@ default is never written twice. This module knows nothing about torch or models.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
-}
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def parse_bytes(value: int | str) -> int:
-    """Parse a size such as ``2GiB``, ``512MB`` or ``1073741824`` into bytes."""
-    if isinstance(value, bool):
+    """Parse a size such as ``2GiB``, ``512MB``, ``1.5G`` or ``1073741824`` into bytes.
+
+    Units are pydantic's ``ByteSize`` units (case-insensitive): ``kB``/``MB``/``GB``/``TB`` (and
+    ``k``/``M``/``G``/``T``) are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024;
+    ``Gi`` is read as ``GiB``. A string must be one size and nothing else.
+
+    Raises:
+        ConfigError: not a size, or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(f"not a size: {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"size must be positive, got {value!r}")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ConfigError(f"not a size: {value!r} (use e.g. 2GiB, 512MB or a byte count)")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    text: int | float | str = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text[-1:] in ("i", "I"):
+            text += "B"  # Kubernetes-style Gi, Mi
+        if not ByteSize.byte_string_re.fullmatch(text):  # pydantic ignores trailing text
+            raise ConfigError(f"not a size: {value!r} (use e.g. 2GiB, 512MB or a byte count)")
+    try:
+        n = int(_BYTE_SIZE.validate_python(text))
+    except (ValidationError, ValueError, OverflowError):
+        raise ConfigError(f"not a size: {value!r} (use e.g. 2GiB, 512MB or a byte count)") from None
     if n <= 0:
         raise ConfigError(f"size must be positive, got {value!r}")
     return n

@@ -1,7 +1,9 @@
 """Sampling parameters (validated) and the sampler.
 
-Greedy when temperature is 0; otherwise temperature, top-k and top-p, drawn from a per-request
-``torch.Generator`` so a seeded request gives the same tokens whatever else is in the batch.
+Greedy when temperature is below ``MIN_TEMPERATURE`` (0 included); otherwise temperature, top-k and
+top-p, drawn from a per-request ``torch.Generator`` so a seeded request gives the same tokens whatever
+else is in the batch. This module holds the greedy threshold and the default ``max_tokens``
+(``DEFAULT_MAX_TOKENS``), so no caller keeps a copy of either.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import math
 import torch
 
 MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (dividing logits by ~0 would overflow); SamplingParams stores
+them as 0.0."""
+DEFAULT_MAX_TOKENS = 16
+"""Most tokens generated when a request does not say (OpenAI's completions default)."""
 
 
 class SamplingError(ValueError):
@@ -28,8 +34,8 @@ class SamplingParams:
     """How to pick each next token and when to stop."""
 
     temperature: float = 0.0
-    """0 = greedy; higher = more random."""
-    max_tokens: int = 16
+    """0 = greedy; higher = more random. Values below ``MIN_TEMPERATURE`` are stored as 0.0 (greedy)."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
     """Most tokens to generate."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p, in (0, 1]."""
@@ -47,6 +53,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if isinstance(self.stop, str):
             self.stop_list = [self.stop]
         else:

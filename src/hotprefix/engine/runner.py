@@ -99,10 +99,14 @@ class ModelRunner:
                  self.device, str(self.dtype).replace("torch.", ""))
 
     # ------------------------------------------------------------------ one step
-    def run(self, chunks: list[ScheduledChunk], block_tables: dict[int, list[int]]) -> dict[int, int]:
+    def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> dict[str, int]:
         """Forward the scheduled chunks; sample for those that reached their last token.
 
-        Returns: id(request) -> sampled token.
+        Args:
+            chunks: This step's scheduled chunks.
+            block_tables: request id -> the request's block table.
+
+        Returns: request id -> sampled token.
         """
         if not chunks:
             return {}
@@ -111,9 +115,9 @@ class ModelRunner:
             return {}
         reqs = [c.request for c in owners]
         toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return {id(r): t for r, t in zip(reqs, toks)}
+        return {r.request_id: t for r, t in zip(reqs, toks)}
 
-    def forward_logits(self, chunks: list[ScheduledChunk], block_tables: dict[int, list[int]]):
+    def forward_logits(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]):
         """Logits of the chunks' last tokens (for tests); same path as ``run``."""
         run = self._run_tiled if self.deterministic else self._run_batched
         return run(chunks, block_tables)
@@ -127,46 +131,54 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         owners: list[ScheduledChunk] = []
-        decode_tables = [block_tables[id(c.request)] for c in decodes]
-        for c, bt in zip(decodes, decode_tables):
+        decode_tables = [block_tables[c.request.request_id] for c in decodes]
+        for r, (c, bt) in enumerate(zip(decodes, decode_tables)):
             p = c.start
             ids.append(c.request.token_ids[p])
             pos.append(p)
             slots.append(bt[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), prefills=[])  # type: ignore[arg-type]
-        if decodes:
-            max_blocks = max(len(bt) for bt in decode_tables)
-            table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in decode_tables],
-                                 dtype=torch.long)
-            ctx = torch.tensor([c.start + 1 for c in decodes])
-            meta.decode_block_tables = table.to(dev)
-            meta.decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(
-                len(decodes), 1, 1, -1).to(dev)
-            shared = self._shared_decode_blocks(decode_tables)
-            if shared:
-                meta.decode_shared_blocks = torch.tensor(shared, device=dev)
-                meta.decode_suffix_tables = table[:, len(shared):].to(dev)
-                meta.decode_suffix_mask = meta.decode_mask.view(len(decodes), -1)[:, len(shared) * bs:]
-            for r, c in enumerate(decodes):
-                if c.wants_logits:
-                    logit_rows.append(r)
-                    owners.append(c)
+            if c.wants_logits:
+                logit_rows.append(r)
+                owners.append(c)
+        prefill_seqs: list[PrefillSeq] = []
         for c in prefills:
             start, n = c.start, c.num_tokens
-            bt = block_tables[id(c.request)]
+            bt = block_tables[c.request.request_id]
             q0 = len(ids)
             ids.extend(c.request.token_ids[start:start + n])
             pos.extend(range(start, start + n))
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
             nb = math.ceil((start + n) / bs)
-            meta.prefills.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
+            prefill_seqs.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
             if c.wants_logits:
                 logit_rows.append(q0 + n - 1)
                 owners.append(c)
-        meta.slot_mapping = torch.tensor(slots, device=dev)
+        meta = self._batched_metadata(slots, decodes, decode_tables, prefill_seqs)
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                                     self.kv_caches, meta, torch.tensor(logit_rows, dtype=torch.long, device=dev))
         return logits, owners
+
+    def _batched_metadata(self, slots: list[int], decodes: list[ScheduledChunk],
+                          decode_tables: list[list[int]], prefills: list[PrefillSeq]) -> AttentionMetadata:
+        """The step's attention metadata, complete: slots, prefill sequences, and for the decodes
+        their padded block tables, masks and (for cascade attention) the prefix they all share."""
+        bs, dev = self.block_size, self.device
+        slot_mapping = torch.tensor(slots, device=dev)
+        if not decodes:
+            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
+        nd = len(decodes)
+        max_blocks = max(len(bt) for bt in decode_tables)
+        table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in decode_tables], dtype=torch.long)
+        ctx = torch.tensor([c.start + 1 for c in decodes])
+        mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, -1).to(dev)
+        shared = self._shared_decode_blocks(decode_tables)
+        ns = len(shared)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills,
+            decode_block_tables=table.to(dev), decode_mask=mask,
+            decode_shared_blocks=torch.tensor(shared, device=dev) if shared else None,
+            decode_suffix_tables=table[:, ns:].to(dev) if shared else None,
+            decode_suffix_mask=mask.view(nd, -1)[:, ns * bs:] if shared else None)
 
     def _shared_decode_blocks(self, tables: list[list[int]]) -> list[int]:
         """Leading block ids common to every decoding sequence (a shared cached prefix), when long
@@ -187,7 +199,7 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         rows, owners = [], []
         for c in chunks:
-            bt = block_tables[id(c.request)]
+            bt = block_tables[c.request.request_id]
             p, end = c.start, c.start + c.num_tokens
             while p < end:
                 b = p // bs

@@ -156,11 +156,11 @@ class Scheduler:
         looked up."""
         if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
             return [(r, None) for r in window]
-        hits = {id(r): self.manager.lookup(r) for r in window}
+        hits = {r.request_id: self.manager.lookup(r) for r in window}
         overdue = [r for r in window if r.num_skips >= self.config.max_skips]
         rest = [r for r in window if r.num_skips < self.config.max_skips]
-        rest.sort(key=lambda r: -len(hits[id(r)]))  # stable: FCFS among equal hits
-        return [(r, hits[id(r)]) for r in overdue + rest]
+        rest.sort(key=lambda r: -len(hits[r.request_id]))  # stable: FCFS among equal hits
+        return [(r, hits[r.request_id]) for r in overdue + rest]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Request] = []
@@ -187,20 +187,20 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n, num_computed))
             budget -= n
         if admitted:
-            ids = {id(r) for r in admitted}
+            ids = {r.request_id for r in admitted}
             for r in admitted:
                 self.waiting.remove(r)
             last = max(fcfs.index(r) for r in admitted)
             for r in fcfs[:last]:
-                if id(r) not in ids:
+                if r.request_id not in ids:
                     r.num_skips += 1
 
     # ------------------------------------------------------------------ after the step
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, register full blocks.
 
         Args:
-            sampled: id(request) -> token sampled for requests whose chunk reached their last token.
+            sampled: request id -> token sampled for requests whose chunk reached their last token.
 
         Returns:
             Requests that got a new token this step (the engine checks them for stops).
@@ -210,7 +210,7 @@ class Scheduler:
             req = c.request
             req.num_computed_tokens = c.start + c.num_tokens
             self.manager.commit(req, req.num_computed_tokens)
-            tok = sampled.get(id(req))
+            tok = sampled.get(req.request_id)
             if tok is not None:
                 req.token_ids.append(tok)
                 advanced.append(req)

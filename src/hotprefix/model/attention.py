@@ -9,13 +9,13 @@ This module knows nothing about requests, hashing or scheduling: only tensors an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillSeq:
     """One sequence's chunk in a step: tokens ``q_start:q_end`` of the flat batch."""
 
@@ -25,18 +25,19 @@ class PrefillSeq:
     block_table: torch.Tensor  # [num_blocks_of_seq] long
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token's K/V go and what each query attends to.
 
-    Decode tokens (one per sequence) come first in the flat batch, then prefill chunks.
+    Decode tokens (one per sequence) come first in the flat batch, then prefill chunks. Built complete
+    by the runner for one forward pass, then read-only.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool
-    prefills: list[PrefillSeq] | None = None
+    prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
     # Cascade decode: blocks every decoding sequence shares (a common cached prefix) are read once
     # for the whole batch; only each sequence's own tail goes through its block table.
@@ -76,7 +77,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)
         out[:nd] = o.squeeze(2)
-    for p in meta.prefills or ():
+    for p in meta.prefills:
         n = p.q_end - p.q_start
         # 4-D [1, heads, len, dim] inputs take torch's fused CPU kernel (3-D ones do not)
         k = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1).unsqueeze(0)

@@ -7,6 +7,8 @@ settings::
      "sk-bob": {"tenant": "bob", "shared_prefix_tokens": 512, "cache": "default",
                 "priority": 0, "ttl_s": 0, "admin": false}}
 
+Each entry is validated by ``KeyEntry``, a strict pydantic model (exact JSON types, no unknown settings).
+
 The salt that enters the block hash is derived by the server from the tenant name (never from a
 request field), so a client cannot claim another tenant's blocks. Two keys with the same tenant name
 share a salt, hence a cache. Without a key file the server is single-tenant: no salt, no auth.
@@ -19,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from hotprefix.config import ConfigError
 
 ADMIN_TENANT = "__admin__"
 """The tenant name of requests sent with the admin key."""
-KEY_FIELDS = {"tenant", "shared_prefix_tokens", "cache", "priority", "ttl_s", "admin"}
 
 
 class AuthError(Exception):
@@ -126,39 +129,68 @@ class TenantRegistry:
             raise AuthError("This route needs an admin key.", status=403)
 
 
+class KeyEntry(BaseModel):
+    """One API key's settings in the key file (strict: exact JSON types, no unknown settings)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    tenant: str = Field(min_length=1)
+    """Tenant name; keys with the same name share a salt, hence a cache."""
+    shared_prefix_tokens: int = Field(0, ge=0)
+    """Tokens shared with other tenants; when absent, the server's ``shared_prefix_tokens``."""
+    cache: Literal["none", "default"] = "default"
+    """``none``: this key's requests never write to the prefix cache."""
+    priority: int | None = None
+    """Default retention priority of this key's requests."""
+    ttl_s: float | None = Field(None, ge=0)
+    """Default retention pin (seconds) of this key's requests."""
+    admin: bool = False
+    """May call admin routes."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, data: Any) -> Any:
+        """``"sk-alice": "alice"`` is short for ``{"tenant": "alice"}``."""
+        return {"tenant": data} if isinstance(data, str) else data
+
+    def to_tenant(self, default_shared: int) -> Tenant:
+        given = "shared_prefix_tokens" in self.model_fields_set
+        shared = self.shared_prefix_tokens if given else default_shared
+        return Tenant(self.tenant, shared, self.cache == "default", self.priority,
+                      None if self.ttl_s is None else float(self.ttl_s), self.admin)
+
+
+_KEY_FILE = TypeAdapter(Annotated[dict[Annotated[str, Field(min_length=1)], KeyEntry], Field(min_length=1)],
+                        config=ConfigDict(strict=True))
+
+
 def parse_keys(raw: Any, default_shared: int = 0, source: str = "the key file") -> dict[str, Tenant]:
-    if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"{source}: expected a non-empty JSON object mapping API key -> tenant")
-    out: dict[str, Tenant] = {}
-    for key, val in raw.items():
-        where = f"{source}: key {key[:4]}...:"
-        if not key:
-            raise ConfigError(f"{source}: an API key is empty")
-        if isinstance(val, str):
-            val = {"tenant": val}
-        if not isinstance(val, dict):
-            raise ConfigError(f"{where} expected a tenant name or an object, got {type(val).__name__}")
-        unknown = set(val) - KEY_FIELDS
-        if unknown:
-            raise ConfigError(f"{where} unknown settings {sorted(unknown)}; known: {sorted(KEY_FIELDS)}")
-        name = val.get("tenant")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where} 'tenant' must be a non-empty string")
-        shared = val.get("shared_prefix_tokens", default_shared)
-        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-            raise ConfigError(f"{where} shared_prefix_tokens must be an integer >= 0")
-        cache = val.get("cache", "default")
-        if cache not in ("none", "default"):
-            raise ConfigError(f"{where} cache must be 'none' or 'default'")
-        prio = val.get("priority")
-        if prio is not None and (not isinstance(prio, int) or isinstance(prio, bool)):
-            raise ConfigError(f"{where} priority must be an integer")
-        ttl = val.get("ttl_s")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0):
-            raise ConfigError(f"{where} ttl_s must be a number >= 0")
-        admin = val.get("admin", False)
-        if not isinstance(admin, bool):
-            raise ConfigError(f"{where} admin must be true or false")
-        out[key] = Tenant(name, shared, cache == "default", prio,
-                          float(ttl) if ttl is not None else None, admin)
-    return out
+    """The tenants of a parsed key file. Raises ConfigError naming the entry and the bad setting.
+
+    Args:
+        raw: The JSON object of the key file.
+        default_shared: ``shared_prefix_tokens`` of entries that do not set it.
+        source: Where ``raw`` came from, for messages.
+    """
+    try:
+        entries = _KEY_FILE.validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_describe(err, raw, source) for err in e.errors())) from None
+    return {key: entry.to_tenant(default_shared) for key, entry in entries.items()}
+
+
+def _describe(err: Any, raw: Any, source: str) -> str:
+    """One validation error as a message naming the key's entry (its first 4 characters only:
+    the key is a secret) and the setting."""
+    loc = err["loc"]
+    if not loc:
+        return f"{source}: expected a non-empty JSON object mapping API key -> tenant"
+    if loc[1:2] == ("[key]",):
+        return f"{source}: an API key is empty" if loc[0] == "" else f"{source}: an API key must be a string"
+    where = f"{source}: key {str(loc[0])[:4]}...:"
+    if len(loc) == 1:
+        return f"{where} expected a tenant name or an object, got {type(raw[loc[0]]).__name__}"
+    setting = str(loc[1])
+    if err["type"] == "extra_forbidden":
+        return f"{where} unknown setting {setting!r}; known: {sorted(KeyEntry.model_fields)}"
+    return f"{where} {setting}: {err['msg']}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hotprefix.cache.hashing import BlockHasher, BlockKey, namespace_key
+from hotprefix.cache.rules import cacheable_blocks
 
 MOONCAKE_BLOCK = 512
 """Tokens behind one Mooncake hash id."""
@@ -122,4 +123,4 @@ def request_keys(reqs: Sequence[TraceRequest], block_size: int) -> list[list[Blo
 
 def lookup_limit(r: TraceRequest, n_keys: int, block_size: int) -> int:
     """Blocks a lookup may hit: never the last prompt token (same rule as the manager)."""
-    return min(n_keys, max(0, (r.num_prompt_tokens - 1) // block_size))
+    return min(n_keys, cacheable_blocks(r.num_prompt_tokens, block_size))
