@@ -160,7 +160,7 @@ class FreqCreditPolicy(EvictionPolicy):
         self._count = [0] * num_blocks       # per block id: requests that referenced the key
         self._last = [-1] * num_blocks       # request counter at the last count increment
         self._block: list[KVBlock | None] = [None] * num_blocks
-        self._heap = LazyHeap(num_blocks)    # the evictable set: id -> (priority, -depth, seq)
+        self._heap = LazyHeap(num_blocks)    # the evictable set: id -> (t_free + credit, -depth, seq)
         self._seq = 0
         self._history: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (count, t_free)
         self._history_size = self.history_mult * num_blocks
