@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 import hotprefix
 
@@ -25,16 +24,6 @@ def _module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
-
-
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"hotprefix.cache.diagnosis", "hotprefix.cache.manager"}):
-        "the manager imports diagnosis; diagnosis imports the manager's CacheRequest and "
-        "KVCacheManager for type hints (TYPE_CHECKING). Left to the diagnosis work (issue 11); "
-        "a fix: diagnosis takes a Protocol or the pieces it reads, not the manager type.",
-}
-"""Circles found in code this test's author did not own, reported by ``test_known_cycles_are_gone``
-instead of failing the suite. Remove an entry once its circle is gone."""
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -157,17 +146,7 @@ def test_no_import_cycle_at_run_time():
 
 
 def test_no_import_cycle_among_hotprefix_modules():
-    """Type-hint imports included; circles listed in ``KNOWN_CYCLES`` are reported by the next
-    test instead."""
+    """Type-hint imports included: a circle through type hints is still a circle in the design."""
     graph = import_graph()
-    new = [c for c in find_cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
-    assert not new, "import circles:\n" + "\n".join(_describe(c, graph) for c in new)
-
-
-@pytest.mark.xfail(reason="known import circles in code owned by other work: see KNOWN_CYCLES",
-                   strict=False)
-def test_known_cycles_are_gone():
-    graph = import_graph()
-    known = [c for c in find_cycles(graph) if frozenset(c) in KNOWN_CYCLES]
-    assert not known, "known import circles still present:\n" + "\n".join(
-        f"{_describe(c, graph)}\n    {KNOWN_CYCLES[frozenset(c)]}" for c in known)
+    cycles = find_cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(_describe(c, graph) for c in cycles)

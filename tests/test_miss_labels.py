@@ -70,8 +70,9 @@ def test_the_report_type_keeps_the_api_fields_and_the_readme_lists_every_reason(
     from hotprefix.cache.report import CacheReport, MissReason
 
     rep = CacheReport(16, 5, written_blocks=2, miss_reason=MissReason.EXTENDED, miss_position=16,
-                      detail={"block_index": 1})
+                      detail={"block_index": 1}, sources={"pool": 16})
     assert rep.to_json() == {"cached_tokens": 16, "computed_tokens": 5, "written_blocks": 2,
+                             "sources": {"pool": 16},
                              "miss_reason": "extended", "miss_position": 16,
                              "detail": {"block_index": 1}}
     assert CacheReport.not_admitted(7).to_json()["miss_reason"] == "not_admitted"

@@ -15,12 +15,29 @@ Knows blocks and token ids; knows nothing about text, tensors or HTTP. Imports n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.report import MissReason
+from hotprefix.cache.request import CacheRequest
 
-if TYPE_CHECKING:
-    from hotprefix.cache.manager import CacheRequest, KVCacheManager
+
+class CacheView(Protocol):
+    """What the diagnosis reads of the cache manager."""
+
+    block_size: int
+    pool: BlockPool
+    hasher: BlockHasher
+    ledger: ContentLedger
+    namespace_tag: str
+
+    def keys(self, req: CacheRequest) -> list[BlockKey]: ...
+
+    def content_keys(self, req: CacheRequest, n: int) -> list[BlockKey]: ...
+
+    def fixed_prefix_len(self, token_ids: Sequence[int]) -> int: ...
 
 EXCERPT_TOKENS = 24
 CONTEXT_TOKENS = 12
@@ -35,7 +52,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def readable(block_depth: int, block_salt: str | None, req: "CacheRequest") -> bool:
+def readable(block_depth: int, block_salt: str | None, req: CacheRequest) -> bool:
     """May ``req``'s tenant read a cached block found below one of its own or shared blocks?
 
     Blocks inside the shared window are everyone's; the block where the salt enters must carry the
@@ -58,7 +75,7 @@ class Miss:
     operator_reason: MissReason | None = None
 
 
-def miss_reason(m: "KVCacheManager", req: "CacheRequest", k: int) -> Miss:
+def miss_reason(m: CacheView, req: CacheRequest, k: int) -> Miss:
     """Why the prompt of ``req``, whose block ``k`` missed, stopped hitting there."""
     keys = m.keys(req)
     bs = m.block_size
@@ -101,7 +118,7 @@ def miss_reason(m: "KVCacheManager", req: "CacheRequest", k: int) -> Miss:
         "everything cached (new text, e.g. the next turn of a conversation)"}, operator)
 
 
-def _cached_excerpt(m: "KVCacheManager", req: "CacheRequest", best, common: int) -> list[int]:
+def _cached_excerpt(m: CacheView, req: CacheRequest, best, common: int) -> list[int]:
     """The cached tokens after the divergence point, following only blocks ``req`` may read."""
     cached = list((best.token_ids or ())[common:])
     nxt = best

@@ -21,7 +21,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.block_pool import BlockPool
@@ -29,43 +29,17 @@ from hotprefix.cache.diagnosis import common_prefix_len, miss_reason
 from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.report import CacheReport, MissReason
+from hotprefix.cache.request import CacheRequest
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats, request_figures
+
+if TYPE_CHECKING:  # the tiers package (redis, msgspec) loads only when tiers are configured
+    from hotprefix.cache.tier_link import TierLink
 
 log = logging.getLogger(__name__)
 
 CONTENT_ROOT = BlockKey(b"hotprefix/content-root")
 MAX_TENANT_STATS = 1024
-
-
-@dataclass(eq=False)
-class CacheRequest:
-    """What the cache needs to know about a request. The engine's Request extends it."""
-
-    request_id: str
-    token_ids: list[int]
-    """Prompt + output tokens so far (grows during decode)."""
-    num_prompt_tokens: int
-    salt: str | None = None
-    """Tenant salt; enters the key chain at block ``salt_from_block``."""
-    salt_from_block: int = 0
-    """Blocks before this one are shared across tenants (a common system prompt)."""
-    cache_write: bool = True
-    """False = read from the cache but add nothing to it (``cache: "none"``)."""
-    priority: int = 0
-    """Retention priority of the blocks this request writes."""
-    pin_ttl_s: float = 0.0
-    """Pin the blocks this request writes for this many seconds (0 = no pin)."""
-    block_keys: list[BlockKey] = field(default_factory=list)
-    """Keys of the full blocks of token_ids, filled lazily (or given by a trace replay)."""
-    keys_given: bool = False
-    """block_keys come from outside (trace replay): never recompute them from tokens."""
-    cache_report: CacheReport | None = None
-    """The miss report of this request's first admission."""
-    content_keys: list[BlockKey] = field(default_factory=list)
-    """Key chain of the tokens alone (no namespace, no salt), filled lazily for diagnosis."""
-    operator_reason: MissReason | None = None
-    """A miss reason only the operator may see (``salt``); never part of ``cache_report``."""
 
 
 @dataclass
@@ -95,6 +69,8 @@ class KVCacheManager:
         self.stats = CacheStats(window=stats_window)
         """Every request, with cross-tenant duplication shown as ``salt`` (the operator's view)."""
         self._tenant_stats: OrderedDict[str | None, CacheStats] = OrderedDict()
+        self.tiers: TierLink | None = None
+        """The KV tiers below the pool (set by the engine with ``--kv-store``), or None."""
         self.fixed_prefix: list[int] = []
         """Token ids every chat prompt starts with (the template's fixed opening), set by the engine."""
         self.ledger = ledger if ledger is not None else ContentLedger()
@@ -118,12 +94,19 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, req: CacheRequest) -> list[KVBlock]:
-        """Cached blocks for the longest matching run of leading full blocks.
+        """Cached blocks for the longest matching run of leading full blocks (blocks a finished
+        tier fetch brought in count: they are installed in the pool first).
 
         Never covers the last known token: it must be computed to have logits.
         """
         if not self.enabled:
             return []
+        if self.tiers is not None:
+            self.tiers.install(self, req)
+        return self.pool_run(req)
+
+    def pool_run(self, req: CacheRequest) -> list[KVBlock]:
+        """The longest run of leading full blocks cached in the pool now."""
         keys = self.keys(req)
         bs = self.block_size
         known = req.num_prompt_tokens if req.keys_given else len(req.token_ids)
@@ -136,6 +119,19 @@ class KVCacheManager:
                 break
             hits.append(blk)
         return hits
+
+    def start_tier_fetch(self, req: CacheRequest) -> None:
+        """At arrival: look the blocks past the pool's hit run up in the KV tiers, in the background."""
+        if self.enabled and self.tiers is not None:
+            self.tiers.start_fetch(self, req)
+
+    def tier_pending(self, req: CacheRequest) -> bool:
+        """Whether the request is waiting for its tier fetch (within the fetch's deadline)."""
+        return self.tiers is not None and self.tiers.pending(req)
+
+    def record_loaded(self, req: CacheRequest, i: int) -> None:
+        """Block ``i`` of ``req`` was installed from a tier: remember its content as cached."""
+        self._record_content(req, i)
 
     def inflight_owner(self, req: CacheRequest, num_hit_blocks: int) -> str | None:
         """Id of another running request that is computing this request's next block, if any."""
@@ -202,6 +198,7 @@ class KVCacheManager:
         keys = self.keys(req)
         bs = self.block_size
         tail_from = self._tail_block(req, keys, st) if self.admission_tail_tokens is not None else None
+        placed: list[tuple[int, KVBlock]] = []
         for i in range(st.num_committed, min(n_full, len(keys), len(st.blocks))):
             blk = st.blocks[i]
             key = keys[i]
@@ -229,7 +226,10 @@ class KVCacheManager:
                 req.cache_report.written_blocks += 1
             if not req.keys_given:
                 self._record_content(req, i)
+                placed.append((i, blk))
         st.num_committed = max(st.num_committed, n_full)
+        if self.tiers is not None:
+            self.tiers.store(self, req, placed)  # write-through to the KV tiers
 
     def _tail_block(self, req: CacheRequest, keys: list[BlockKey], st: _ReqState) -> int | None:
         """First block index not to write under ``admission_tail_tokens``, or None (write all).
@@ -254,6 +254,8 @@ class KVCacheManager:
 
     def free(self, req: CacheRequest) -> None:
         """Release every block the request holds (finished, aborted or preempted)."""
+        if self.tiers is not None:
+            self.tiers.forget(req)
         st = self._reqs.pop(req.request_id, None)
         if st is None:
             return
@@ -278,6 +280,10 @@ class KVCacheManager:
         n_hit = len(hits)
         cached_tokens = n_hit * bs
         rep = CacheReport(cached_tokens, n_prompt - cached_tokens)
+        if self.tiers is not None:
+            rep.sources = self.tiers.sources(req, n_hit, bs)
+        else:
+            rep.sources = {"pool": cached_tokens}
         if not self.enabled:
             rep.miss_reason, rep.detail = MissReason.COLD, {"note": "prefix caching is disabled"}
         elif cacheable == 0:

@@ -52,6 +52,8 @@ class CacheReport:
     miss_reason: MissReason = MissReason.HIT
     miss_position: int | None = None
     """Token index where the prompt stopped matching (None on a hit)."""
+    sources: dict[str, int] = field(default_factory=dict)
+    """Cached tokens by where they came from: ``pool``, and each KV tier (``host``, ``disk``, ``redis``)."""
     detail: dict[str, Any] | None = field(default=None)
     """Reason-specific facts: ``block_index``, a ``note``; for ``diverged`` the matched length and,
     once the engine has decoded them, ``sent_excerpt``/``cached_excerpt``/``likely_cause``/``hint``."""
@@ -63,6 +65,7 @@ class CacheReport:
     def to_json(self) -> dict[str, Any]:
         """The report as the API returns it (stable field names)."""
         return {"cached_tokens": self.cached_tokens, "computed_tokens": self.computed_tokens,
-                "written_blocks": self.written_blocks, "miss_reason": self.miss_reason.value,
+                "written_blocks": self.written_blocks, "sources": dict(self.sources),
+                "miss_reason": self.miss_reason.value,
                 "miss_position": self.miss_position,
                 "detail": dict(self.detail) if self.detail is not None else None}
