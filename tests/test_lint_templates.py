@@ -311,3 +311,15 @@ def test_reading_request_files_does_not_load_the_tokenizer_library() -> None:
         """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("text", [
+    "{{ " + " " * 20_000 + "x", "{abc" + " " * 20_000 + "x", "{abc" + " \t" * 10_000 + "=",
+    "${" + "a" * 20_000, "{f(" + "(" * 20_000, "{{ x " * 20_000, "{a} " * 20_000,
+])
+def test_placeholder_scan_stays_fast_on_unclosed_or_huge_input(text: str) -> None:
+    # unclosed placeholders followed by long runs once backtracked for minutes (cubic in the run)
+    import time
+    start = time.perf_counter()
+    find_volatile(text)
+    assert time.perf_counter() - start < 3.0

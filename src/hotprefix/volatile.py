@@ -17,6 +17,7 @@ Knows nothing about tokenizers, files, requests or the cache; imports only the s
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -73,14 +74,16 @@ _PY_EXPR = rf"[A-Za-z_]\w*(?:\s*(?:\.\s*[A-Za-z_]\w*|{_PAREN}|\[[^\[\]{{}}]*\]))
 # (syntax, pattern) in priority order; the expression is the group ``expr``
 _PLACEHOLDER_RES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((s, re.compile(p)) for s, p in (
     # Jinja, Handlebars/Mustache, Go templates; not comments, block tags or partials
-    ("jinja", r"\{\{-?\s*(?![!#/>^]|else\b)(?P<expr>(?:[^{}]|\{[^{}]*\})+?)\s*-?\}\}"),
+    # (words separated by whitespace, so that no text can be split two ways: linear time)
+    ("jinja", r"\{\{-?\s*(?![!#/>^]|else\b)(?P<expr>(?:[^{}\s-]|-(?!\}\})|\{[^{}]*\})+"
+              r"(?:\s+(?:[^{}\s-]|-(?!\}\})|\{[^{}]*\})+)*)\s*-?\}\}"),
     # JavaScript template literals, string.Template, shell
     ("js", r"\$\{(?P<expr>(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}"),
     # %-style with a mapping key
     ("percent", r"%\((?P<expr>[A-Za-z_]\w*)\)[#0 +\-]*\d*(?:\.\d+)?[diouxXeEfFgGcrsa]"),
     # f-strings and str.format: an expression (names, attributes, calls, subscripts), an optional
     # ``=``, conversion and format spec (``{now:%Y-%m-%d %H:%M}``), never JSON such as {"id": 1}
-    ("format", rf"(?<![{{$])\{{\s*(?P<expr>{_PY_EXPR})\s*=?\s*(?:![rsa])?"
+    ("format", rf"(?<![{{$])\{{\s*(?P<expr>{_PY_EXPR})\s*(?:=\s*)?(?:![rsa])?"
                r"(?::(?:[^{}\s]|\s(?=%)|\{[^{}]*\})*)?\}(?!\})"),
 ))
 
@@ -157,15 +160,33 @@ class Placeholder:
     None for stable data such as ``{{ question }}``."""
 
 
+class _Spans:
+    """Non-overlapping ``[start, end)`` spans, sorted, for claiming text in O(log n)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def claim(self, start: int, end: int) -> bool:
+        """Take ``[start, end)`` unless it overlaps a span already taken; whether it was taken."""
+        i = bisect.bisect_right(self.starts, start)
+        if (i and self.ends[i - 1] > start) or (i < len(self.starts) and self.starts[i] < end):
+            return False
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        return True
+
+
 def find_placeholders(text: str) -> list[Placeholder]:
     """All template placeholders in ``text`` (any of the syntaxes above), non-overlapping, in order."""
     found: list[Placeholder] = []
+    taken = _Spans()
     for _, pattern in _PLACEHOLDER_RES:
         for m in pattern.finditer(text):
-            if any(m.start() < p.end and p.start < m.end() for p in found):
-                continue
-            expr = m.group("expr").strip()
-            found.append(Placeholder(m.start(), m.end(), m.group(0), expr, expression_cause(expr)))
+            if taken.claim(m.start(), m.end()):
+                expr = m.group("expr").strip()
+                found.append(Placeholder(m.start(), m.end(), m.group(0), expr,
+                                         expression_cause(expr)))
     found.sort(key=lambda p: p.start)
     return found
 
@@ -210,14 +231,14 @@ def find_volatile(text: str) -> list[Match]:
     placeholders = find_placeholders(text)
     found = placeholder_matches(placeholders)
     # a stable placeholder is no volatile content, but nothing else may match inside it
-    taken = [(p.start, p.end) for p in placeholders]
+    taken = _Spans()
+    for p in placeholders:
+        taken.claim(p.start, p.end)
     for kind, pattern in _DETECTORS:
         for m in pattern.finditer(text):
             group = "v" if "v" in pattern.groupindex else 0
             start, end = m.start(group), m.end(group)
-            if any(start < e and s < end for s, e in taken):
-                continue
-            taken.append((start, end))
-            found.append(Match(kind, start, end, text[start:end]))
+            if start < end and taken.claim(start, end):
+                found.append(Match(kind, start, end, text[start:end]))
     found.sort(key=lambda x: x.start)
     return found
