@@ -54,7 +54,8 @@ def test_every_config_field_is_a_flag():
         for f in dataclasses.fields(dc):
             assert f.name in serve, f"{dc.__name__}.{f.name} has no serve flag"
             action = serve[f.name]
-            assert action.default == f.default
+            default = tuple(action.default) if isinstance(action.default, list) else action.default
+            assert default == f.default
             assert ("--" + f.name.replace("_", "-")) in action.option_strings
             if isinstance(f.default, bool):
                 assert isinstance(action, argparse.BooleanOptionalAction), f.name
@@ -104,8 +105,11 @@ def test_field_types_become_typed_flags():
     p = argparse.ArgumentParser()
     add_config_flags(p, (_Demo,))
     a = p.parse_args([])
-    assert (a.mode, a.color, a.names, a.limit, a.fast) == ("a", Color.RED, (), None, False)
+    assert (a.mode, a.color, a.names, a.limit, a.fast) == ("a", Color.RED, [], None, False)
     a = p.parse_args(["--mode", "b", "--color", "blue", "--names", "x", "y", "--limit", "3", "--fast"])
     assert (a.mode, a.color, a.names, a.limit, a.fast) == ("b", Color.BLUE, ["x", "y"], 3, True)
+    a = p.parse_args(["--names", "x", "--names", "y", "z"])  # repeatable (--kv-store a --kv-store b)
+    assert a.names == ["x", "y", "z"]
+    assert p.parse_args([]).names == []  # the default list is not shared between parses
     with pytest.raises(SystemExit):
         p.parse_args(["--mode", "c"])

@@ -156,8 +156,9 @@ def test_usage_and_cache_report_shape(srv, http):
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert type(u["prompt_tokens_details"]["cached_tokens"]) is int
     rep = body["hotprefix"]["cache"]
-    assert set(rep) == {"cached_tokens", "computed_tokens", "written_blocks", "miss_reason",
-                        "miss_position", "detail"}
+    assert set(rep) == {"cached_tokens", "computed_tokens", "written_blocks", "sources",
+                        "miss_reason", "miss_position", "detail"}
+    assert rep["sources"] == {"pool": rep["cached_tokens"]}  # no KV tier on this server
     assert re.fullmatch(r"[a-z_]+; cached=\d+; computed=\d+", r.headers["x-hotprefix-cache"])
 
 

@@ -47,7 +47,9 @@ def _flag_kwargs(tp: Any) -> dict[str, Any]:
         return {"type": tp, "choices": list(tp), "metavar": "{" + ",".join(str(m.value) for m in tp) + "}"}
     if origin in (list, tuple, set, frozenset):
         item = typing.get_args(tp)[0] if typing.get_args(tp) else str
-        return {"type": _base_type(item) if isinstance(_base_type(item), type) else str, "nargs": "*"}
+        # repeatable and multi-valued: --kv-store a --kv-store b, or --kv-store a b
+        return {"type": _base_type(item) if isinstance(_base_type(item), type) else str,
+                "nargs": "+", "action": "extend"}
     if tp in (int, float, str):
         return {"type": tp}
     return {"type": str}  # any other type: the dataclass (or its validation) converts the text
@@ -72,13 +74,16 @@ def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str,
             if f.name in skip or not f.init:
                 continue
             default = _field_default(f)
+            if isinstance(default, tuple):
+                default = list(default)  # argparse's "extend" appends to a list
             help_ = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
                                help=help_, **_flag_kwargs(_base_type(hints[f.name])))
 
 
 def _section_kwargs(args: argparse.Namespace, dc) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(dc) if hasattr(args, f.name)}
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(dc) if hasattr(args, f.name)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

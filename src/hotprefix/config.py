@@ -100,6 +100,20 @@ class CacheConfig:
     state_dir: str | None = None
     """Directory for state kept across restarts (the content ledger that explains namespace
     misses after a checkpoint or tokenizer change); None = keep nothing."""
+    kv_store: tuple[str, ...] = ()
+    """KV tiers below the pool, fastest first (repeatable): ``host:SIZE`` (RAM below a device pool),
+    ``disk:DIR`` (survives restarts), ``redis://HOST:PORT/DB`` or ``rediss://[:PASSWORD@]HOST:PORT/DB``
+    (a Redis or Valkey server shared by replicas). Full blocks are written through; a request's
+    missing prefix is read back, verified, before it is computed."""
+    kv_store_max_bytes: str | None = None
+    """Byte budget of a disk tier (e.g. ``50GiB``; least recently used entries go first); None = no limit."""
+    kv_store_timeout: float = 2.0
+    """Seconds a request waits for its tier reads (and each tier call's timeout) before computing."""
+    kv_store_secret: str | None = None
+    """Shared secret of the replicas using the tiers: entries are signed with it (HMAC) and an entry
+    not signed with it is never read. ``env:NAME`` or ``file:PATH`` read it from there."""
+    kv_store_ttl_s: float = 86400.0
+    """Seconds a Redis/Valkey entry lives (a longer retention pin wins)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,7 @@ class EngineConfig:
         for key, value in options.items():
             if key not in owners:
                 raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(owners))}")
-            parts[owners[key]][key] = value
+            parts[owners[key]][key] = tuple(value) if isinstance(value, list) else value
         cfg = cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
                   SchedulerConfig(**parts["scheduler"]))
         cfg.validate()
@@ -188,6 +202,14 @@ class EngineConfig:
             raise ConfigError(f"num_blocks must be >= 2, got {c.num_blocks}")
         if c.admission_tail_tokens is not None and c.admission_tail_tokens < c.block_size:
             raise ConfigError(f"admission_tail_tokens must be >= block_size, got {c.admission_tail_tokens}")
+        if c.kv_store_max_bytes is not None:
+            parse_bytes(c.kv_store_max_bytes)
+        if c.kv_store_timeout <= 0 or c.kv_store_ttl_s <= 0:
+            raise ConfigError("kv_store_timeout and kv_store_ttl_s must be > 0")
+        if isinstance(c.kv_store, str):
+            raise ConfigError("kv_store is a list of tier URLs, e.g. kv_store=['disk:/var/cache/hp']")
+        if c.kv_store and c.hash_algo != "sha256":
+            raise ConfigError("kv_store needs hash_algo='sha256' (tier keys must be the same in every process)")
         if c.hash_algo not in ("sha256", "fast"):
             raise ConfigError(f"hash_algo must be 'sha256' or 'fast', got {c.hash_algo!r}")
         if s.max_num_seqs < 1:

@@ -69,6 +69,16 @@ class LLM:
         bar.close()
         return [done[i] for i in ids]
 
+    def close(self) -> None:
+        """Flush and stop the KV tiers' background threads (nothing to do without tiers)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def cache_stats(self) -> dict[str, Any]:
         return self.engine.cache_stats()
 

@@ -23,6 +23,7 @@ from hotprefix.cache.report import CacheReport
 from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
+from hotprefix.engine.kv_io import open_tiers
 from hotprefix.engine.request import Request
 from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
@@ -33,6 +34,8 @@ from hotprefix.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+IDLE_WAIT_S = 0.002
+"""Pause of a step that scheduled nothing while requests wait (e.g. on their KV tier reads)."""
 ALL_TENANTS = object()
 """``cache_stats()`` without a tenant: the operator's view of every tenant."""
 
@@ -97,6 +100,7 @@ class LLMEngine:
         self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window,
                                     ContentLedger(state), cc.admission_tail_tokens)
         self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
+        self.cache.tiers = open_tiers(cc, self.runner.kv_caches)
         arch_len = self.runner.arch.max_position
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
@@ -131,6 +135,7 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.scheduler.add(req)
+        self.cache.start_tier_fetch(req)
         self.requests[rid] = req
         self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params.stop_list)
         return req
@@ -156,6 +161,8 @@ class LLMEngine:
         """One forward pass over the scheduled batch; outputs of requests that progressed."""
         sched = self.scheduler.schedule()
         tables = {c.request.request_id: self.cache.block_table(c.request.request_id) for c in sched.chunks}
+        if not sched.chunks and self.scheduler.waiting:
+            time.sleep(IDLE_WAIT_S)  # waiting on tier reads (or a full pool): do not spin
         sampled = self.runner.run(sched.chunks, tables)
         advanced = self.scheduler.update(sched, sampled)
         now = time.monotonic()
@@ -223,8 +230,20 @@ class LLMEngine:
             return {**self.cache.tenant_snapshot(tenant_salt), **common}  # type: ignore[arg-type]
         s = self.cache.snapshot()
         s.update(common, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                 state=self.state_health())
+                 state=self.state_health(), tiers=self.tier_stats())
         return s
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        """Per KV tier: hits (tokens), misses, bytes, dropped writes, corrupt entries, errors..."""
+        link = self.cache.tiers
+        return link.stats(self.block_size) if link is not None else {}
+
+    def close(self) -> None:
+        """Stop the KV tiers' threads (queued writes are flushed first, briefly)."""
+        link = self.cache.tiers
+        if link is not None:
+            link.tiers.flush(timeout_s=5.0)
+            link.close()
 
     def state_health(self) -> dict[str, Any]:
         """Whether state is being persisted: ``ok`` or ``degraded`` with the last error."""

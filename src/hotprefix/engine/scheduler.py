@@ -168,6 +168,8 @@ class Scheduler:
         for req, hits in self._order(fcfs):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.manager.tier_pending(req):
+                continue  # its prefix is being read from a KV tier: admit it when that is done
             if hits is None or admitted:
                 # an admission above may have evicted blocks an earlier lookup returned
                 hits = self.manager.lookup(req)

@@ -31,6 +31,19 @@ def fold_operator_reasons(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+TIER_COUNTERS = (
+    ("hit_tokens", "Prompt tokens loaded from the KV tier into the pool (verified)."),
+    ("misses", "Block lookups the KV tier could not answer."),
+    ("bytes_read", "Bytes read from the KV tier."),
+    ("bytes_written", "Bytes written to the KV tier."),
+    ("dropped_writes", "Writes dropped because the tier's write queue was full."),
+    ("corrupt", "Entries that failed verification (checksum, key, parent, tokens, layout); deleted."),
+    ("bad_signature", "Entries not signed with this server's --kv-store-secret; deleted."),
+    ("timeouts", "Tier calls that ran past --kv-store-timeout."),
+    ("errors", "Tier calls that failed (server down, disk full, permission denied)."),
+)
+
+
 class _CacheCollector:
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
@@ -68,6 +81,17 @@ class _CacheCollector:
         ]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        tiers = s["tiers"]
+        for key, doc in TIER_COUNTERS:
+            fam = CounterMetricFamily(f"hotprefix_kv_tier_{key}", doc, labels=["tier"])
+            for name, t in sorted(tiers.items()):
+                fam.add_metric([name], float(t.get(key, 0)))
+            yield fam
+        up = GaugeMetricFamily("hotprefix_kv_tier_up", "1 while a KV tier works, 0 while degraded.",
+                               labels=["tier"])
+        for name, t in sorted(tiers.items()):
+            up.add_metric([name], 0.0 if t.get("status") == "degraded" else 1.0)
+        yield up
         state = s["state"]
         yield CounterMetricFamily("hotprefix_state_write_failures",
                                   "Failed attempts to persist cache state (requests never fail on them).",

@@ -87,6 +87,7 @@ class ServerState:
 
     def close(self) -> None:
         self.aengine.shutdown()
+        self.engine.close()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -1,0 +1,107 @@
+"""Moves whole KV blocks between the runner's pool tensors and bytes, for the KV tiers.
+
+One block's payload is the K and V of every layer for that block's ``block_size`` slots, in the
+pool's dtype, laid out ``[layer][k|v][slot][kv_head][head_dim]``. The ``layout`` string names
+everything that shapes those bytes (dtype, layers, KV heads, head dim, block size), so a tier entry
+written by another layout is never read back. Reads and writes gather/scatter many blocks with
+one indexed copy per layer and tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from hotprefix.config import CacheConfig
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+
+
+class KVBlockIO:
+    """The runner's ``BlockIO`` (see ``hotprefix.cache.tier_link``)."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.kv_caches = kv_caches
+        k0 = kv_caches[0][0]
+        _, self.block_size, self.num_kv_heads, self.head_dim = k0.shape
+        self.dtype = k0.dtype
+        self.device = k0.device
+        self.num_layers = len(kv_caches)
+        self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        self.payload_len = k0[0].numel() * k0.element_size() * 2 * self.num_layers
+        self.layout = (f"kv{LAYOUT_VERSION}/{str(self.dtype).replace('torch.', '')}/L{self.num_layers}"
+                       f"/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}")
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The payload of each block (copied: the pool may reuse the block right after)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(list(block_ids), device=self.device)
+        out = torch.empty((len(block_ids),) + self.block_shape, dtype=self.dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            out[:, layer, 0] = k.index_select(0, idx).cpu()
+            out[:, layer, 1] = v.index_select(0, idx).cpu()
+        raw = out.view(torch.uint8).reshape(len(block_ids), self.payload_len).numpy()
+        return [raw[i].tobytes() for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Copy payloads (verified by the tier) into the given pool blocks."""
+        if not block_ids:
+            return
+        if any(len(p) != self.payload_len for p in payloads):
+            raise ValueError(f"a KV payload is not {self.payload_len} bytes")
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        blocks = raw.view(self.dtype).view((len(block_ids),) + self.block_shape).to(self.device)
+        idx = torch.tensor(list(block_ids), device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, blocks[:, layer, 0])
+            v.index_copy_(0, idx, blocks[:, layer, 1])
+
+
+def read_secret(value: str | None) -> bytes | None:
+    """``--kv-store-secret``: the literal text, ``env:NAME`` or ``file:PATH`` (keeps it out of ``ps``)."""
+    from hotprefix.config import ConfigError  # noqa: PLC0415
+
+    if not value:
+        return None
+    if value.startswith("env:"):
+        name = value[4:]
+        if not os.environ.get(name):
+            raise ConfigError(f"kv_store_secret: the environment variable {name} is not set")
+        return os.environ[name].encode()
+    if value.startswith("file:"):
+        try:
+            with open(value[5:], "rb") as f:
+                data = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"kv_store_secret: cannot read {value[5:]}: {e.strerror or e}") from None
+        if not data:
+            raise ConfigError(f"kv_store_secret: {value[5:]} is empty")
+        return data
+    return value.encode()
+
+
+def open_tiers(cache_cfg: CacheConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The ``TierLink`` for ``--kv-store`` (None without tiers). Raises ConfigError on a bad URL."""
+    if not cache_cfg.kv_store:
+        return None
+    from hotprefix.cache.tier_link import TierLink
+    from hotprefix.cache.tiers import TierStack
+    from hotprefix.config import ConfigError, parse_bytes
+
+    io = KVBlockIO(kv_caches)
+    max_bytes = parse_bytes(cache_cfg.kv_store_max_bytes) if cache_cfg.kv_store_max_bytes else None
+    try:
+        stack = TierStack(list(cache_cfg.kv_store), io.layout, secret=read_secret(cache_cfg.kv_store_secret),
+                          max_bytes=max_bytes, timeout_s=cache_cfg.kv_store_timeout,
+                          ttl_s=cache_cfg.kv_store_ttl_s)
+    except ValueError as e:
+        raise ConfigError(f"kv_store: {e}") from None
+    log.info("KV tiers: %s (layout %s, %d bytes per block)", ", ".join(stack.names), io.layout,
+             io.payload_len)
+    return TierLink(stack, io, cache_cfg.kv_store_timeout)
