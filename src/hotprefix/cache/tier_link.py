@@ -1,0 +1,205 @@
+"""Between the pool and the KV tiers: fetch a request's missing prefix blocks from the tiers in the
+background, install the verified ones into fresh pool blocks, and write newly cached blocks through.
+
+The flow for one request:
+  ``start_fetch``  at arrival: the blocks past the pool's hit run are looked up in the tiers by a
+                   worker thread (one batched round trip per tier, every blob verified there);
+  ``pending``      while the fetch runs and its deadline has not passed, the scheduler holds the
+                   request back (other requests keep stepping); past the deadline it computes;
+  ``install``      when the fetch is done: the fetched run that continues the pool's current run
+                   is copied into fresh pool blocks and registered as cached, so the ordinary
+                   lookup finds it; tokens per source are kept for the cache report;
+  ``store``        after a step, blocks that became cached are copied out and queued for the
+                   tiers' background writer (dropped and counted when its queue is full).
+
+Moving bytes in and out of pool blocks is the runner's job (``BlockIO``); this module only
+knows keys, block ids and bytes. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from hotprefix.cache.block import AdmitInfo, KVBlock
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.request import CacheRequest
+from hotprefix.cache.rules import cacheable_blocks
+from hotprefix.cache.tiers import FetchedBlock, TierEntry, TierStack
+
+log = logging.getLogger(__name__)
+
+FETCH_WORKERS = 2
+
+
+class PoolOwner(Protocol):
+    """What the tier link reads and calls on the cache manager."""
+
+    block_size: int
+    pool: BlockPool
+    hasher: BlockHasher
+
+    def keys(self, req: CacheRequest) -> list[BlockKey]: ...
+
+    def pool_run(self, req: CacheRequest) -> list[KVBlock]: ...
+
+    def record_loaded(self, req: CacheRequest, i: int) -> None: ...
+
+
+class BlockIO(Protocol):
+    """Copies the K/V of pool blocks to bytes and back (implemented by the runner)."""
+
+    layout: str
+    payload_len: int
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+
+
+@dataclass
+class TierFetch:
+    """One request's fetch in flight."""
+
+    start: int
+    """Block index of the first block asked for."""
+    future: Future
+    deadline: float
+    """Monotonic time after which the request stops waiting and computes."""
+
+
+@dataclass
+class TierState:
+    """Per request: its fetch and what the tiers supplied."""
+
+    fetch: TierFetch | None = None
+    loaded: dict[str, int] = field(default_factory=dict)
+    """Blocks installed from each tier for this request."""
+
+
+class TierLink:
+    """The manager's connection to a ``TierStack`` through a runner's ``BlockIO``."""
+
+    def __init__(self, tiers: TierStack, io: BlockIO, timeout_s: float):
+        self.tiers = tiers
+        self.io = io
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="hotprefix-tier-fetch")
+        self._state: dict[str, TierState] = {}
+        self.timeouts = 0
+        """Fetches that missed their deadline (the request computed instead)."""
+
+    # ------------------------------------------------------------------ reads
+    def start_fetch(self, m: PoolOwner, req: CacheRequest) -> None:
+        """Look up the blocks past the pool's current hit run in the tiers, in the background."""
+        if req.keys_given or req.request_id in self._state:
+            return
+        st = self._state[req.request_id] = TierState()
+        keys = m.keys(req)
+        limit = min(len(keys), cacheable_blocks(req.num_prompt_tokens, m.block_size))
+        start = len(m.pool_run(req))
+        if start >= limit:
+            return
+        bs = m.block_size
+        entries = [TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
+                             tuple(req.token_ids[i * bs:(i + 1) * bs])) for i in range(start, limit)]
+        deadline = time.monotonic() + self.timeout_s
+        fut = self._pool.submit(self.tiers.fetch_run, entries, self.io.payload_len, self.timeout_s)
+        st.fetch = TierFetch(start, fut, deadline)
+
+    def pending(self, req: CacheRequest) -> bool:
+        """Whether the request should wait for its fetch (running and within its deadline)."""
+        st = self._state.get(req.request_id)
+        if st is None or st.fetch is None or st.fetch.future.done():
+            return False
+        if time.monotonic() < st.fetch.deadline:
+            return True
+        st.fetch.future.cancel()
+        st.fetch = None
+        self.timeouts += 1
+        return False
+
+    def install(self, m: PoolOwner, req: CacheRequest) -> None:
+        """Copy a finished fetch's run into fresh pool blocks (once); a failed fetch is ignored."""
+        st = self._state.get(req.request_id)
+        if st is None or st.fetch is None or not st.fetch.future.done():
+            return
+        fetch, st.fetch = st.fetch, None
+        try:
+            fetched: list[FetchedBlock] = fetch.future.result()
+        except Exception as e:  # a tier bug must not fail the request: compute instead
+            log.warning("tier fetch failed: %s", e)
+            return
+        if not fetched:
+            return
+        keys = m.keys(req)
+        bs = m.block_size
+        new = m.pool.allocate(min(len(fetched), m.pool.num_free)) or []
+        run = len(m.pool_run(req))  # after allocating: an eviction may have shortened the run
+        skip = run - fetch.start
+        use = fetched[skip:] if 0 <= skip < len(fetched) else []
+        use = use[:len(new)]
+        ids, payloads, placed = [], [], []
+        for j, (blk, fb) in enumerate(zip(new, use)):
+            i = run + j
+            if keys[i] in m.pool.index:  # cached meanwhile by another request
+                break
+            ids.append(blk.block_id)
+            payloads.append(fb.payload)
+            placed.append((i, blk, fb.tier))
+        if ids:
+            self.io.write_blocks(ids, payloads)
+        for i, blk, tier in placed:
+            toks = req.token_ids[i * bs:(i + 1) * bs]
+            info = AdmitInfo(depth=i, parent=keys[i - 1] if i else m.hasher.namespace,
+                             priority=req.priority,
+                             salt=req.salt if i == req.salt_from_block else None)
+            if not m.pool.cache_block(blk, keys[i], toks, info):
+                break
+            st.loaded[tier] = st.loaded.get(tier, 0) + 1
+            m.record_loaded(req, i)
+        m.pool.free(new)  # installed blocks become free-and-cached, the rest empty again
+
+    def sources(self, req: CacheRequest, cached_blocks: int, block_size: int) -> dict[str, int]:
+        """Prompt tokens served from cache, by where they came from (``pool`` first)."""
+        st = self._state.get(req.request_id)
+        loaded = dict(st.loaded) if st is not None else {}
+        from_tiers = min(sum(loaded.values()), cached_blocks)
+        out = {"pool": (cached_blocks - from_tiers) * block_size}
+        out.update({t: n * block_size for t, n in loaded.items()})
+        return out
+
+    def forget(self, req: CacheRequest) -> None:
+        st = self._state.pop(req.request_id, None)
+        if st is not None and st.fetch is not None:
+            st.fetch.future.cancel()
+
+    # ------------------------------------------------------------------ writes
+    def store(self, m: PoolOwner, req: CacheRequest, placed: list[tuple[int, KVBlock]]) -> None:
+        """Queue blocks that this step cached for the tiers (write-through)."""
+        if not placed:
+            return
+        keys = m.keys(req)
+        bs = m.block_size
+        payloads = self.io.read_blocks([blk.block_id for _, blk in placed])
+        for (i, blk), payload in zip(placed, payloads):
+            entry = TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
+                              tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            self.tiers.store(entry, payload, ttl_s=req.pin_ttl_s or None, priority=req.priority)
+
+    def stats(self, block_size: int) -> dict[str, dict]:
+        out = {}
+        for name, s in self.tiers.stats().items():
+            out[name] = {**s, "hit_tokens": s.get("hit_blocks", 0) * block_size}
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.tiers.close()
+
+
+__all__ = ["BlockIO", "BlockKey", "TierLink"]
