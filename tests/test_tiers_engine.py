@@ -224,3 +224,18 @@ def test_tiers_show_in_stats_and_metrics(tiny_model_dir, tmp_path):
         metrics = httpx.get(s.url + "/metrics", timeout=30).text
         assert 'hotprefix_kv_tier_bytes_written_total{tier="disk"}' in metrics
         assert 'hotprefix_kv_tier_up{tier="disk"} 1.0' in metrics
+
+
+def test_a_tier_measured_slower_than_compute_is_not_read(tiny_model_dir, tmp_path, cold):
+    store = f"disk:{tmp_path / 'kv'}"
+    p = prompt(11)
+    _write_disk(tiny_model_dir, store, p)
+    with make(tiny_model_dir, [store]) as llm:
+        link = llm.engine.cache.tiers
+        link.load_s_per_block, link.compute_s_per_token = 1.0, 1e-4  # as if the store were far away
+        o = run(llm, p)
+        assert o.num_cached_tokens == 0 and o.token_ids == cold(p)
+        assert tier(llm, "disk")["fetches_skipped_slow"] == 1
+        assert link.worth_loading(6, BS) is False
+        link.load_s_per_block = 1e-6  # measured fast again: read
+        assert link.worth_loading(6, BS) is True

@@ -34,6 +34,8 @@ from hotprefix.cache.tiers import FetchedBlock, TierEntry, TierStack
 log = logging.getLogger(__name__)
 
 FETCH_WORKERS = 2
+EWMA = 0.2
+"""Weight of the newest measurement in the load and compute speed estimates."""
 
 
 class PoolOwner(Protocol):
@@ -92,6 +94,30 @@ class TierLink:
         self._state: dict[str, TierState] = {}
         self.timeouts = 0
         """Fetches that missed their deadline (the request computed instead)."""
+        self.skipped_slow = 0
+        """Fetches not started because loading was measured slower than computing."""
+        self.load_s_per_block: float | None = None
+        self.compute_s_per_token: float | None = None
+
+    # ------------------------------------------------------------------ speed estimates
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        """A forward step of ``num_tokens`` tokens took ``seconds`` (from the engine)."""
+        if num_tokens > 0 and seconds > 0:
+            self.compute_s_per_token = _ewma(self.compute_s_per_token, seconds / num_tokens)
+
+    def _timed_fetch(self, entries: list[TierEntry]) -> list[FetchedBlock]:
+        t0 = time.monotonic()
+        out = self.tiers.fetch_run(entries, self.io.payload_len, self.timeout_s)
+        if out:
+            self.load_s_per_block = _ewma(self.load_s_per_block, (time.monotonic() - t0) / len(out))
+        return out
+
+    def worth_loading(self, num_blocks: int, block_size: int) -> bool:
+        """Whether reading ``num_blocks`` is expected to beat computing them (True until both
+        speeds were measured)."""
+        if self.load_s_per_block is None or self.compute_s_per_token is None:
+            return True
+        return self.load_s_per_block < self.compute_s_per_token * block_size
 
     # ------------------------------------------------------------------ reads
     def start_fetch(self, m: PoolOwner, req: CacheRequest) -> None:
@@ -105,10 +131,13 @@ class TierLink:
         if start >= limit:
             return
         bs = m.block_size
+        if not self.worth_loading(limit - start, bs):
+            self.skipped_slow += 1
+            return
         entries = [TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
                              tuple(req.token_ids[i * bs:(i + 1) * bs])) for i in range(start, limit)]
         deadline = time.monotonic() + self.timeout_s
-        fut = self._pool.submit(self.tiers.fetch_run, entries, self.io.payload_len, self.timeout_s)
+        fut = self._pool.submit(self._timed_fetch, entries)
         st.fetch = TierFetch(start, fut, deadline)
 
     def pending(self, req: CacheRequest) -> bool:
@@ -192,14 +221,21 @@ class TierLink:
             self.tiers.store(entry, payload, ttl_s=req.pin_ttl_s or None, priority=req.priority)
 
     def stats(self, block_size: int) -> dict[str, dict]:
-        out = {}
-        for name, s in self.tiers.stats().items():
-            out[name] = {**s, "hit_tokens": s.get("hit_blocks", 0) * block_size}
-        return out
+        """Per tier: the stack's counters, ``hit_tokens``, and the link's own counters."""
+        link = {"fetch_timeouts": self.timeouts, "fetches_skipped_slow": self.skipped_slow,
+                "load_ms_per_block": None if self.load_s_per_block is None else self.load_s_per_block * 1e3,
+                "compute_ms_per_block": None if self.compute_s_per_token is None
+                else self.compute_s_per_token * block_size * 1e3}
+        return {name: {**s, "hit_tokens": s.get("hit_blocks", 0) * block_size, **link}
+                for name, s in self.tiers.stats().items()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.tiers.close()
 
 
-__all__ = ["BlockIO", "BlockKey", "TierLink"]
+__all__ = ["BlockIO", "PoolOwner", "TierLink"]
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new

@@ -163,7 +163,10 @@ class LLMEngine:
         tables = {c.request.request_id: self.cache.block_table(c.request.request_id) for c in sched.chunks}
         if not sched.chunks and self.scheduler.waiting:
             time.sleep(IDLE_WAIT_S)  # waiting on tier reads (or a full pool): do not spin
+        t0 = time.monotonic()
         sampled = self.runner.run(sched.chunks, tables)
+        if self.cache.tiers is not None:
+            self.cache.tiers.observe_compute(sched.num_tokens, time.monotonic() - t0)
         advanced = self.scheduler.update(sched, sampled)
         now = time.monotonic()
         outputs = [self._postprocess(req, now) for req in advanced]
@@ -254,6 +257,49 @@ class LLMEngine:
     def top_prefixes(self, n: int = 10) -> list[dict[str, Any]]:
         """The most reused cached blocks (operator view: key hashes and counts, no content)."""
         return self.cache.top_prefixes(n)
+
+    def prefix_tree(self, n: int = 24, excerpt_chars: int = 48) -> list[dict[str, Any]]:
+        """The most reused cached blocks as a forest of chains (operator view: it shows content,
+        never hand it to a tenant).
+
+        Args:
+            n: At most this many blocks: the most hit first, each with its still-cached ancestors
+                (a chain is skipped rather than cut, so every listed block's parent is listed or
+                not cached).
+            excerpt_chars: Length of each block's decoded excerpt.
+
+        Returns:
+            Blocks ordered by depth, then hits: ``id`` (short key hex), ``parent`` (the parent's
+            ``id``, None at block 0 or when the parent is no longer cached), ``depth``, ``hits``,
+            ``tokens`` (prompt tokens up to the block's end), ``in_use``, ``salt`` (the tenant
+            salt that entered the chain at this block, else None) and ``excerpt``.
+        """
+        pool = self.cache.pool
+        ranked = sorted((b for b in pool.index.values() if b.num_hits > 0),
+                        key=lambda b: (-b.num_hits, b.depth))
+        chosen: dict[Any, Any] = {}  # key -> KVBlock, in insertion order
+        for b in ranked:
+            if len(chosen) >= n:
+                break
+            chain = []
+            cur = b
+            while cur is not None and cur.key not in chosen:
+                chain.append(cur)
+                cur = pool.index.get(cur.parent) if cur.parent is not None else None
+            if len(chosen) + len(chain) <= n:
+                chosen.update((c.key, c) for c in reversed(chain))
+        out = []
+        for b in sorted(chosen.values(), key=lambda b: (b.depth, -b.num_hits)):
+            text = self.tokenizer.decode(list(b.token_ids or ()), skip_special_tokens=False)
+            text = text.replace("\r", "").replace("\n", "\u21b5")
+            if len(text) > excerpt_chars:
+                text = text[:excerpt_chars - 1] + "\u2026"
+            parent = b.parent if b.parent in chosen else None
+            out.append({"id": b.key.hex()[:16], "parent": parent.hex()[:16] if parent else None,
+                        "depth": b.depth, "hits": b.num_hits,
+                        "tokens": (b.depth + 1) * self.block_size, "in_use": b.ref_cnt > 0,
+                        "salt": b.salt, "excerpt": text})
+        return out
 
     def tenant_overview(self) -> dict[str | None, dict[str, Any]]:
         """Per-tenant request figures keyed by tenant salt (operator view)."""
