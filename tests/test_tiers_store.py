@@ -73,7 +73,7 @@ def test_blob_round_trip_and_every_check():
     e, p = entries[1], payloads[1]
     want = dict(key=e.key, parent=e.parent, token_ids=e.token_ids, layout=LAYOUT, payload_len=PAYLOAD_LEN)
     blob = blob_of(e, p)
-    assert blob[:4] == b"HPKV" and BLOB_VERSION == 1
+    assert blob[:4] == b"HPKV" and BLOB_VERSION == 2
     assert decode_blob(blob, **want) == p
     assert decode_blob(memoryview(blob), **want) == p
     for field, value in [("key", b"x" * 32), ("parent", None), ("token_ids", (1, 2, 3, 4)),
@@ -81,7 +81,7 @@ def test_blob_round_trip_and_every_check():
         with pytest.raises(CorruptEntry, match="mismatch|payload length"):
             decode_blob(blob, **{**want, field: value})
     for bad in (blob[:-1], blob[:7], b"", blob + b"\0", b"XXXX" + blob[4:],
-                blob[:4] + b"\x02" + blob[5:]):
+                blob[:4] + b"\x09" + blob[5:]):  # another format version
         with pytest.raises(CorruptEntry):
             decode_blob(bad, **want)
     flipped = bytearray(blob)
