@@ -48,6 +48,12 @@ class Tokenizer:
                 eos.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.fingerprint = self._fingerprint()
+        vocab = hf_tokenizer.get_vocab()
+        self.max_token_bytes = max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab),
+                                   default=1)
+        """Most UTF-8 bytes of text one token can stand for (an upper bound: byte-level pieces are
+        spelled with 1-2 byte characters). Text longer than ``n * max_token_bytes`` bytes cannot
+        fit in ``n`` tokens, so it can be refused without tokenizing it."""
 
     # ------------------------------------------------------------------ loading
     @classmethod
