@@ -6,6 +6,11 @@ written in one place only and a new field becomes a flag by itself. ``simulate``
 arguments from the simulator (``hotprefix.simulate.cli.add_arguments``). ``lint`` and ``warm`` own
 their parsers: their subcommand hands the rest of the line to the module's ``main(argv)``, so
 ``hotprefix lint --help`` is lint's own help. Nothing heavy is imported to build the parser.
+
+``serve`` and ``generate`` also take ``vllm serve``'s spellings (``--gpu-memory-utilization``, aliases
+from ``hotprefix.vllm_compat``); ``serve`` takes ``--api-key KEY`` (a single key, as vLLM's) and
+answers a vLLM flag hotprefix does not have (``--tensor-parallel-size 2``) with an error naming it
+and what to use instead.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from hotprefix.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
                               ServerConfig, field_docs)
 from hotprefix.simulate import cli as simulate_cli
+from hotprefix.vllm_compat import UNSUPPORTED, flag_aliases, rejection
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -63,9 +69,12 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str, ...] = ()) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str, ...] = (),
+                     aliases: dict[str, list[str]] | None = None) -> None:
     """One flag per field of each config dataclass in ``sections``: ``--field-name``, typed from
-    the field's annotation (bool -> ``--x/--no-x``), default and help from the field."""
+    the field's annotation (bool -> ``--x/--no-x``), default and help from the field; ``aliases``
+    maps a field to more spellings of its flag (vLLM's)."""
+    aliases = aliases or {}
     for dc in sections:
         group = parser.add_argument_group(dc.__name__, (dc.__doc__ or "").strip())
         docs = field_docs(dc)
@@ -77,8 +86,36 @@ def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str,
             if isinstance(default, tuple):
                 default = list(default)  # argparse's "extend" appends to a list
             help_ = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
-                               help=help_, **_flag_kwargs(_base_type(hints[f.name])))
+            group.add_argument("--" + f.name.replace("_", "-"), *aliases.get(f.name, ()), dest=f.name,
+                               default=default, help=help_, **_flag_kwargs(_base_type(hints[f.name])))
+
+
+VLLM_DEST = "vllm_unsupported_"
+"""Prefix of the hidden ``serve`` flags that catch vLLM options hotprefix does not have."""
+
+
+def add_vllm_unsupported_flags(parser: argparse.ArgumentParser) -> None:
+    """Hidden flags for vLLM's options that hotprefix lacks, so ``_cmd_serve`` can name them (and
+    accept the values that ask for what hotprefix does anyway, such as ``--tensor-parallel-size 1``)."""
+    taken = set(parser._option_string_actions)
+    for name, entry in UNSUPPORTED.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in taken:
+            continue
+        is_switch = all(isinstance(a, bool) for a in entry.accepted)
+        kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if is_switch
+                                  else {"type": str})
+        parser.add_argument(flag, dest=VLLM_DEST + name, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS, **kwargs)
+
+
+def check_vllm_unsupported(args: argparse.Namespace) -> None:
+    """Raises ConfigError for the first vLLM flag given with a value hotprefix cannot honour."""
+    for name, entry in UNSUPPORTED.items():
+        if hasattr(args, VLLM_DEST + name):
+            why = rejection(name, getattr(args, VLLM_DEST + name), entry, flag=True)
+            if why:
+                raise ConfigError(why)
 
 
 def _section_kwargs(args: argparse.Namespace, dc) -> dict[str, Any]:
@@ -123,9 +160,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    check_vllm_unsupported(args)
+    server_cfg = ServerConfig(**_section_kwargs(args, ServerConfig))
+    if args.api_key is not None:
+        from hotprefix.server.tenants import single_key_file
+
+        if server_cfg.api_keys:
+            raise ConfigError("give --api-key (one key) or --api-keys (a key file), not both")
+        server_cfg = dataclasses.replace(server_cfg, api_keys=single_key_file(args.api_key))
     from hotprefix.server.app import serve
 
-    server_cfg = ServerConfig(**_section_kwargs(args, ServerConfig))
     serve(engine_config_from_args(args), server_cfg)
     return 0
 
@@ -146,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
     s.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                    help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
-    add_config_flags(s, ENGINE_SECTIONS)
+    add_config_flags(s, ENGINE_SECTIONS, aliases=flag_aliases())
     add_config_flags(s, (ServerConfig,))
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="a single API key, as vllm serve's: one tenant, whose key is also the admin "
+                        "key; every /v1 route and /metrics need it (instead of --api-keys)")
+    add_vllm_unsupported_flags(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
@@ -160,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("-v", "--verbose", action="store_true")
-    add_config_flags(g, ENGINE_SECTIONS)
+    add_config_flags(g, ENGINE_SECTIONS, aliases=flag_aliases())
     g.set_defaults(func=_cmd_generate)
 
     sub.add_parser("lint", help=PASSTHROUGH["lint"], add_help=False).set_defaults(passthrough="lint")

@@ -67,6 +67,10 @@ class ModelConfig:
     deterministic: bool = False
     """Bit-identical logits whether a prefix came from cache or was computed: every forward
     pass runs on block-aligned, fixed-shape tiles (slower)."""
+    enforce_eager: bool = False
+    """No compiled or captured (CUDA graph) step, as vLLM's ``enforce_eager``. hotprefix's forward is
+    always eager today, so either value runs the same code: the setting is accepted and recorded for
+    when a compiled step exists."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,8 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
-        """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections.
+        """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections; vLLM's names
+        (``gpu_memory_utilization``...) are read through ``hotprefix.vllm_compat``.
 
         Raises:
             ConfigError: an option is unknown or has an invalid value.
@@ -178,6 +183,9 @@ class EngineConfig:
         owners = {f.name: sec for sec, dc in (("model", ModelConfig), ("cache", CacheConfig),
                                              ("scheduler", SchedulerConfig)) for f in fields(dc)}
         for key, value in options.items():
+        from hotprefix.vllm_compat import engine_options  # vLLM's names -> ours (imports this module)
+
+        options = engine_options(options)
             if key not in owners:
                 raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(owners))}")
             parts[owners[key]][key] = tuple(value) if isinstance(value, list) else value
@@ -187,7 +195,9 @@ class EngineConfig:
         return cfg
 
     def replace(self, **options: Any) -> "EngineConfig":
-        flat = {**flat_options(self), **options}
+        from hotprefix.vllm_compat import engine_options
+
+        flat = {**flat_options(self), **engine_options(options)}
         return EngineConfig.from_options(**flat)
 
     def validate(self) -> None:

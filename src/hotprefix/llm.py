@@ -1,20 +1,38 @@
 """The offline API: ``LLM(model=None, **options).generate(prompts, params)`` and ``.chat(...)``.
 
 A thin loop over ``LLMEngine``: queue every prompt, step until all are finished, return outputs in
-the order given.
+the order given. Code written for vLLM runs as is: vLLM's option names (``gpu_memory_utilization``,
+``enforce_eager``...), ``seed`` and ``served_model_name``, ``sampling_params=``, and the outputs'
+``outputs[0].text`` (names mapped in ``hotprefix.vllm_compat``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from hotprefix.config import EngineConfig
+from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
+Params = SamplingParams | Sequence[SamplingParams] | None
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of an LLM's ``index``-th request under its default ``seed``: a different one for
+    each request, the same on every run."""
+    digest = hashlib.sha256(f"hotprefix/default-seed\0{seed}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _one_of(params: Params, sampling_params: Params) -> Params:
+    if params is not None and sampling_params is not None:
+        raise TypeError("give params or sampling_params (vLLM's name for it), not both")
+    return params if params is not None else sampling_params
 
 
 class LLM:
@@ -22,39 +40,82 @@ class LLM:
 
     Args:
         model: a .gguf file or a local HF directory; None = the embedded SmolLM2-135M-Instruct.
+        seed: default seed of sampled requests that set none (vLLM's ``seed``): this LLM's i-th
+            request gets ``derived_seed(seed, i)``, so a script samples the same tokens on every run.
+            None = such requests draw fresh randomness. Greedy requests use no seed.
+        served_model_name: the name the model goes by (vLLM's option; of a list, the first), kept
+            as ``self.served_model_name``; None = the model's own name. Serving, the same setting is
+            ``hotprefix serve --served-model-name``.
         **options: any field of ModelConfig / CacheConfig / SchedulerConfig (block_size,
             kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
-            enable_prefix_caching, deterministic, eviction_policy, ...).
+            enable_prefix_caching, deterministic, eviction_policy, ...) or its vLLM name
+            (gpu_memory_utilization, num_gpu_blocks_override, ...). A vLLM option hotprefix does not
+            have is a ConfigError naming it and what to use instead.
     """
 
-    def __init__(self, model: str | None = None, **options: Any):
+    def __init__(self, model: str | None = None, *, seed: int | None = None,
+                 served_model_name: str | Sequence[str] | None = None, **options: Any):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        if not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"served_model_name must be a non-empty string or a list of them, "
+                              f"got {served_model_name!r}")
         self.config = EngineConfig.from_options(model=model, **options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.seed = seed
+        self.served_model_name: str = names[0] if names else self.engine.model_name
+        self._num_requests = 0
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 cache_salt: str | None = None, use_tqdm: bool | None = None,
-                 **request_options: Any) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None,
+                 cache_salt: str | None = None, use_tqdm: bool | None = None, *,
+                 sampling_params: Params = None, **request_options: Any) -> list[RequestOutput]:
         """Generate for one prompt or many (strings or token-id lists); outputs in input order.
 
-        ``request_options`` are per-request cache controls passed to ``add_request``
-        (``cache_write``, ``priority``, ``pin_ttl_s``, ``salt_from_block``).
+        ``params`` (or, by vLLM's name, ``sampling_params``) is one SamplingParams for every prompt
+        or a list with one per prompt. ``request_options`` are per-request cache controls passed to
+        ``add_request`` (``cache_write``, ``priority``, ``pin_ttl_s``, ``salt_from_block``).
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = params or SamplingParams()
-        ids = [self.engine.add_request(p, params, cache_salt=cache_salt, **request_options).request_id
-               for p in prompts]  # type: ignore[union-attr]
-        return self._run(ids, use_tqdm)
+        per_prompt = self._params_per_prompt(_one_of(params, sampling_params), len(prompts))
+        ids = [self.engine.add_request(p, sp, cache_salt=cache_salt, **request_options).request_id
+               for p, sp in zip(prompts, per_prompt)]  # type: ignore[arg-type]
+        outs = self._run(ids, use_tqdm)
+        for out, p in zip(outs, prompts):
+            out.prompt = p if isinstance(p, str) else None
+        return outs
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | None = None, cache_salt: str | None = None,
-             use_tqdm: bool | None = None, **request_options: Any) -> list[RequestOutput]:
+             params: Params = None, cache_salt: str | None = None,
+             use_tqdm: bool | None = None, *, sampling_params: Params = None,
+             **request_options: Any) -> list[RequestOutput]:
         """OpenAI-style messages (or a list of conversations) through the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(m) for m in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params, cache_salt, use_tqdm, **request_options)
+        outs = self.generate(prompts, _one_of(params, sampling_params), cache_salt, use_tqdm,
+                             **request_options)
+        for out, conv in zip(outs, convs):
+            out.prompt = self.tokenizer.render_chat(conv)  # type: ignore[arg-type]
+        return outs
+
+    def _params_per_prompt(self, params: Params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, the LLM's default seed given to sampled ones without one."""
+        if params is None or isinstance(params, SamplingParams):
+            given = [params or SamplingParams()] * n
+        else:
+            given = list(params)
+            if len(given) != n:
+                raise ValueError(f"{len(given)} SamplingParams for {n} prompts: give one, or one per prompt")
+        out = []
+        for p in given:
+            index, self._num_requests = self._num_requests, self._num_requests + 1
+            if self.seed is not None and p.seed is None and not p.greedy:
+                p = dataclasses.replace(p, seed=derived_seed(self.seed, index))
+            out.append(p)
+        return out
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

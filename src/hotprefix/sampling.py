@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import functools
 import math
 
 import torch
+
+from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, rejection
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (dividing logits by ~0 would overflow); SamplingParams stores
@@ -95,6 +98,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this small are greedy: dividing logits by them overflows."""
         return self.temperature < MIN_TEMPERATURE
+
+
+def _with_vllm_fields(init):
+    """``SamplingParams(...)`` also takes vLLM's fields that hotprefix lacks (``n``,
+    ``presence_penalty``...) when their value asks for nothing more (``n=1``); any other value is a
+    SamplingError naming the field and what to use instead (``hotprefix.vllm_compat``)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name in [k for k in kwargs if k in SAMPLING_UNSUPPORTED]:
+            why = rejection(name, kwargs.pop(name), SAMPLING_UNSUPPORTED[name])
+            if why:
+                raise SamplingError(why, name)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _with_vllm_fields(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -30,6 +30,7 @@ from hotprefix.engine.scheduler import RequestRejected, Scheduler
 from hotprefix.model.loader import load_model
 from hotprefix.sampling import SamplingParams, make_generator
 from hotprefix.tokenizer import Tokenizer
+from hotprefix.vllm_compat import CompletionOutput
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,14 @@ class RequestOutput:
     new_text: str = ""
     """Text added since the previous output of this request (streaming)."""
     error: str | None = None
+    prompt: str | None = None
+    """The prompt's text, set by the offline ``LLM`` (the template's text for ``chat``); None when the
+    prompt was given as token ids, and from the engine itself."""
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: one completion, ``outputs[0].text == text`` (``hotprefix.vllm_compat``)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
     @property
     def mean_token_latency_s(self) -> float | None:

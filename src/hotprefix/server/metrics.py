@@ -3,16 +3,21 @@
 Request-level metrics (latency histograms, token counters) are updated by the server as requests
 finish. Cache and queue metrics are read from the engine's ``cache_stats()`` snapshot, taken in the
 engine thread just before each scrape, and exposed by a custom collector.
+
+The signals vLLM also has are exported under vLLM's names too (``vllm:num_requests_running``...,
+mapped in ``hotprefix.vllm_compat.METRICS``): each such family is a renamed copy of its hotprefix
+twin made at scrape time, so the two always carry the same values.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hotprefix.cache.report import OPERATOR_ONLY
+from hotprefix.vllm_compat import METRICS as VLLM_METRICS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,10 +106,38 @@ class _CacheCollector:
                                 value=1.0 if state["status"] == "degraded" else 0.0)
 
 
-class ServerMetrics:
-    """All of one server's metrics."""
+class _VllmTwins:
+    """vLLM's names for the families both have: at each scrape, a copy of each hotprefix twin (read
+    from ``sources``) under every vLLM name of it, with vLLM's labels (``labels()``) added."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: list[Any], labels: Callable[[], dict[str, str]]) -> None:
+        self.sources = sources
+        self.labels = labels
+        self.names: dict[str, list[str]] = {}
+        for vllm_name, ours in VLLM_METRICS.items():
+            self.names.setdefault(ours, []).append(vllm_name)
+
+    def collect(self):
+        labels = self.labels()
+        for source in self.sources:
+            for fam in source.collect():
+                for name in self.names.get(fam.name, ()):
+                    twin = Metric(name, f"{fam.documentation} (= {fam.name})", fam.type)
+                    twin.samples = [s._replace(name=name + s.name[len(fam.name):],
+                                               labels={**labels, **s.labels}) for s in fam.samples]
+                    yield twin
+
+
+class ServerMetrics:
+    """All of one server's metrics.
+
+    Args:
+        model_name: the served model's name, vLLM's ``model_name`` label on the ``vllm:*`` families
+            (settable later as ``model_name``); None = no such label.
+    """
+
+    def __init__(self, model_name: str | None = None) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram("hotprefix_time_to_first_token_seconds",
@@ -125,6 +158,12 @@ class ServerMetrics:
                                 "Requests refused before running, by HTTP status.", ["status"], registry=r)
         self._cache = _CacheCollector()
         r.register(self._cache)
+        twins = [self._cache, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e]
+        r.register(_VllmTwins(twins, self._vllm_labels))
+
+    def _vllm_labels(self) -> dict[str, str]:
+        """vLLM's labels: ``model_name`` (when known) and ``engine`` (one engine: ``0``)."""
+        return {"model_name": self.model_name, "engine": "0"} if self.model_name else {"engine": "0"}
 
     def observe_finished(self, route: str, finish_reason: str | None, num_prompt: int,
                          num_cached: int, num_generated: int, ttft_s: float | None,

@@ -12,6 +12,8 @@ Each entry is validated by ``KeyEntry``, a strict pydantic model (exact JSON typ
 The salt that enters the block hash is derived by the server from the tenant name (never from a
 request field), so a client cannot claim another tenant's blocks. Two keys with the same tenant name
 share a salt, hence a cache. Without a key file the server is single-tenant: no salt, no auth.
+``hotprefix serve --api-key KEY`` (vLLM's flag) is a key file of one key: one tenant, also admin
+(``single_key_file``).
 
 Knows nothing about HTTP or the engine.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -29,6 +32,10 @@ from hotprefix.config import ConfigError
 
 ADMIN_TENANT = "__admin__"
 """The tenant name of requests sent with the admin key."""
+SINGLE_KEY_TENANT = "default"
+"""The tenant of ``--api-key KEY``."""
+MAX_SINGLE_KEY = 1024
+"""Longest ``--api-key`` (characters)."""
 
 
 class AuthError(Exception):
@@ -194,3 +201,23 @@ def _describe(err: Any, raw: Any, source: str) -> str:
     if err["type"] == "extra_forbidden":
         return f"{where} unknown setting {setting!r}; known: {sorted(KeyEntry.model_fields)}"
     return f"{where} {setting}: {err['msg']}"
+
+
+def single_key_file(key: str) -> str:
+    """The path of a key file holding one key, for ``hotprefix serve --api-key KEY`` (vLLM's flag,
+    where one key guards every route): one tenant, ``SINGLE_KEY_TENANT``, whose key is also the admin
+    key. The file is never on disk: it is a pipe of this process (``/dev/fd/N``), readable once, by
+    ``TenantRegistry.from_file`` when the server starts.
+
+    Raises:
+        ConfigError: the key is empty or longer than ``MAX_SINGLE_KEY`` characters, or the system
+            has no ``/dev/fd`` (use a key file, ``--api-keys``).
+    """
+    if not key.strip() or len(key) > MAX_SINGLE_KEY:
+        raise ConfigError(f"--api-key must be 1 to {MAX_SINGLE_KEY} characters")
+    if not os.path.isdir("/dev/fd"):
+        raise ConfigError("--api-key needs /dev/fd on this system; write a key file and pass --api-keys FILE")
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as f:  # far below the pipe's capacity: never blocks
+        json.dump({key: {"tenant": SINGLE_KEY_TENANT, "admin": True}}, f)
+    return f"/dev/fd/{read_fd}"
