@@ -179,13 +179,13 @@ class EngineConfig:
         Raises:
             ConfigError: an option is unknown or has an invalid value.
         """
+        from hotprefix.vllm_compat import engine_options  # vLLM's names -> ours (imports this module)
+
+        options = engine_options(options)
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {f.name: sec for sec, dc in (("model", ModelConfig), ("cache", CacheConfig),
                                              ("scheduler", SchedulerConfig)) for f in fields(dc)}
         for key, value in options.items():
-        from hotprefix.vllm_compat import engine_options  # vLLM's names -> ours (imports this module)
-
-        options = engine_options(options)
             if key not in owners:
                 raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(owners))}")
             parts[owners[key]][key] = tuple(value) if isinstance(value, list) else value
