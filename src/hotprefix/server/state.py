@@ -47,6 +47,7 @@ class ServerState:
         for ext in MODEL_SUFFIXES:
             base = base[:-len(ext)] if base.endswith(ext) else base
         self.served_name = config.served_model_name or base
+        self.metrics.model_name = self.served_name  # the vllm:* metrics' model_name label
         self.model_names = {self.served_name, engine.model_name, base}
         if engine.model_path:
             self.model_names.add(engine.model_path)
