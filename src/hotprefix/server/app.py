@@ -6,7 +6,8 @@
 Routes live in their own modules: ``generate`` (``POST /v1/completions``,
 ``POST /v1/chat/completions``, both streaming as server-sent events with ``stream: true``),
 ``cache_routes`` (``GET /v1/cache/stats``, ``POST /v1/cache/warm``, ``POST /v1/cache/reset``) and
-``ops_routes`` (``GET /v1/models``, ``GET /health``, ``GET /metrics``). They reach the shared
+``ops_routes`` (``GET /v1/models``, ``GET /health``, ``GET /metrics``), besides ``dashboard``
+(``GET /dashboard``, the operator's live page). They reach the shared
 ``ServerState`` and the caller's tenant through ``deps``; errors are answered by ``errors``.
 """
 
@@ -19,7 +20,7 @@ from fastapi import FastAPI
 
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.engine import LLMEngine
-from hotprefix.server import cache_routes, errors, generate, ops_routes
+from hotprefix.server import cache_routes, dashboard, errors, generate, ops_routes
 from hotprefix.server.limits import BodyLimit
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import TenantRegistry
@@ -63,7 +64,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     app.add_middleware(BodyLimit, max_bytes=server_config.max_request_bytes,
                        on_reject=lambda: count_rejected(413))
     errors.install(app, count_rejected)
-    for module in (generate, cache_routes, ops_routes):
+    for module in (generate, cache_routes, ops_routes, dashboard):
         app.include_router(module.router)
     return app
 
