@@ -118,6 +118,18 @@ class CacheConfig:
     not signed with it is never read. ``env:NAME`` or ``file:PATH`` read it from there."""
     kv_store_ttl_s: float = 86400.0
     """Seconds a Redis/Valkey entry lives (a longer retention pin wins)."""
+    kv_events: str | None = None
+    """Publish the cache's KV events in vLLM's schema and framing (``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``; msgpack over a ZeroMQ PUB socket that binds this address, e.g.
+    ``tcp://*:5557``), so a router built for vLLM can follow what every replica holds; None = off."""
+    kv_events_replay: str | None = None
+    """Address of the replay (ROUTER) socket that re-sends missed batches; None = the events port
+    + 1; ``none`` = no replay socket."""
+    kv_events_topic: str = ""
+    """Topic frame of every KV events message (vLLM's ``topic``; subscribers filter on it)."""
+    kv_events_format: str = "array"
+    """Encoding of each event: ``array`` (tagged positional arrays, as vLLM up to 0.23 and SGLang;
+    read by every vLLM-compatible router) or ``map`` (tagged maps, as newer vLLM)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +232,8 @@ class EngineConfig:
             raise ConfigError("kv_store is a list of tier URLs, e.g. kv_store=['disk:/var/cache/hp']")
         if c.kv_store and c.hash_algo != "sha256":
             raise ConfigError("kv_store needs hash_algo='sha256' (tier keys must be the same in every process)")
+        if c.kv_events_format not in ("array", "map"):
+            raise ConfigError(f"kv_events_format must be 'array' or 'map', got {c.kv_events_format!r}")
         if c.hash_algo not in ("sha256", "fast"):
             raise ConfigError(f"hash_algo must be 'sha256' or 'fast', got {c.hash_algo!r}")
         if s.max_num_seqs < 1:

@@ -16,12 +16,29 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.eviction import EvictionPolicy, make_policy
 from hotprefix.cache.hashing import BlockKey
 from hotprefix.cache.lazy_heap import LazyHeap
+
+
+class PoolListener(Protocol):
+    """Told what the pool's content index gains and loses (e.g. ``hotprefix.events``' recorder).
+
+    Called on the thread that changes the pool; a listener must not change the pool itself.
+    """
+
+    def on_stored(self, block: KVBlock) -> None:
+        """``block`` was just cached (key, parent, token ids and depth are set)."""
+
+    def on_removed(self, block: KVBlock) -> None:
+        """``block`` is about to lose its key (evicted): it still carries key, parent and tokens."""
+
+    def on_cleared(self) -> None:
+        """``reset`` dropped every free cached block (no ``on_removed`` for them); what is still
+        cached (in use) is in ``index``."""
 
 
 class BlockPool:
@@ -49,6 +66,8 @@ class BlockPool:
         self.num_evictions = 0
         self.eviction_times: deque[float] = deque(maxlen=4096)
         self.num_in_use = 0
+        self.listeners: list[PoolListener] = []
+        """Told of every block cached, evicted, and of resets (``PoolListener``)."""
 
     # ------------------------------------------------------------------ queries
     def lookup(self, key: BlockKey, token_ids: Sequence[int] | None = None) -> KVBlock | None:
@@ -150,6 +169,8 @@ class BlockPool:
             self.children.setdefault(info.parent, set()).add(key)
         self.ghosts.pop(key, None)
         self.policy.on_cached(block)
+        for listener in self.listeners:
+            listener.on_stored(block)
         return True
 
     def pin(self, block: KVBlock, until: float) -> bool:
@@ -180,6 +201,8 @@ class BlockPool:
 
     def _uncache(self, b: KVBlock, evicted: bool) -> None:
         assert b.key is not None
+        for listener in self.listeners:
+            listener.on_removed(b)
         del self.index[b.key]
         if b.parent is not None:
             siblings = self.children.get(b.parent)
@@ -205,6 +228,7 @@ class BlockPool:
     def reset(self) -> tuple[int, int]:
         """Drop every free cached block. Returns (dropped, left_in_use)."""
         dropped = 0
+        listeners, self.listeners = self.listeners, []  # one on_cleared, not one removal per block
         for b in list(self.index.values()):
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
@@ -214,6 +238,9 @@ class BlockPool:
                 self._uncache(b, evicted=False)
                 self.empty.append(b.block_id)
                 dropped += 1
+        self.listeners = listeners
+        for listener in listeners:
+            listener.on_cleared()
         return dropped, len(self.index)
 
     # ------------------------------------------------------------------ checks

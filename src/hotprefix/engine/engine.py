@@ -27,6 +27,7 @@ from hotprefix.engine.kv_io import open_tiers
 from hotprefix.engine.request import Request
 from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
+from hotprefix.events import open_kv_events
 from hotprefix.model.loader import load_model
 from hotprefix.sampling import SamplingParams, make_generator
 from hotprefix.tokenizer import Tokenizer
@@ -110,6 +111,9 @@ class LLMEngine:
                                     ContentLedger(state), cc.admission_tail_tokens)
         self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
         self.cache.tiers = open_tiers(cc, self.runner.kv_caches)
+        tier_names = self.cache.tiers.tiers.names if self.cache.tiers is not None else []
+        self.kv_events = open_kv_events(cc, pool, [n.rstrip("0123456789") for n in tier_names])
+        """The KV events publisher (``--kv-events``), or None."""
         arch_len = self.runner.arch.max_position
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
@@ -251,7 +255,9 @@ class LLMEngine:
         return link.stats(self.block_size) if link is not None else {}
 
     def close(self) -> None:
-        """Stop the KV tiers' threads (queued writes are flushed first, briefly)."""
+        """Stop the KV tiers' and KV events' threads (queued writes and events are flushed first)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         link = self.cache.tiers
         if link is not None:
             link.tiers.flush(timeout_s=5.0)
