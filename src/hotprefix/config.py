@@ -173,6 +173,10 @@ class ServerConfig:
     """Largest request body accepted; a larger one gets 413 before any parsing or tokenizing."""
     public_metrics: bool = False
     """Serve /metrics without a key even when API keys are configured (otherwise admin only)."""
+    max_cache_ttl_s: float = 86400.0
+    """Longest retention pin any request may get, in seconds (``hotprefix.ttl_s``, a key's ``ttl_s``,
+    OpenAI's ``prompt_cache_retention``, Anthropic's ``cache_control`` TTLs): longer ones are
+    clamped to it; 0 = requests never pin. Pins also never take more than half the pool."""
 
 
 @dataclass(frozen=True)

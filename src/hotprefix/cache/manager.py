@@ -173,6 +173,7 @@ class KVCacheManager:
             self.pool.touch(hits)
             st.blocks.extend(hits)
             st.num_committed = st.num_hit_blocks = len(hits)
+            self._retain_hits(req, hits)
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - len(st.blocks)
         if need > 0:
             new = self.pool.allocate(need)
@@ -197,7 +198,8 @@ class KVCacheManager:
             return
         keys = self.keys(req)
         bs = self.block_size
-        tail_from = self._tail_block(req, keys, st) if self.admission_tail_tokens is not None else None
+        tail_rule = self.admission_tail_tokens is not None and not req.expect_reuse
+        tail_from = self._tail_block(req, keys, st) if tail_rule else None
         placed: list[tuple[int, KVBlock]] = []
         for i in range(st.num_committed, min(n_full, len(keys), len(st.blocks))):
             blk = st.blocks[i]
@@ -213,13 +215,14 @@ class KVCacheManager:
                 continue
             toks = req.token_ids[i * bs:(i + 1) * bs] if not req.keys_given else ()
             info = AdmitInfo(depth=i, parent=keys[i - 1] if i else self.hasher.namespace,
-                             priority=req.priority,
+                             priority=req.priority if req.retains(i) else 0,
                              salt=req.salt if i == req.salt_from_block else None)
             if not self.pool.cache_block(blk, key, toks, info):
                 st.write_stopped = True  # descendants of an unadmitted block are unreachable
                 continue
-            if req.pin_ttl_s > 0:
-                self.pool.pin(blk, self.pool.clock() + req.pin_ttl_s)
+            ttl = req.pin_ttl_for((i + 1) * bs) if req.retains(i) else 0.0
+            if ttl > 0:
+                self.pool.pin(blk, self.pool.clock() + ttl)
             self.stats.written_blocks += 1
             self.tenant_stats(req.salt).written_blocks += 1
             if req.cache_report is not None:
@@ -230,6 +233,21 @@ class KVCacheManager:
         st.num_committed = max(st.num_committed, n_full)
         if self.tiers is not None:
             self.tiers.store(self, req, placed)  # write-through to the KV tiers
+
+    def _retain_hits(self, req: CacheRequest, hits: Sequence[KVBlock]) -> None:
+        """A request's retention renews the blocks it reads from cache, as it would have set it on
+        blocks it wrote: their priority is raised to the request's (never lowered) and their pins
+        are extended (within the pool's pin share). A request that writes nothing changes nothing."""
+        if not req.cache_write:
+            return
+        now = self.pool.clock()
+        for i, blk in enumerate(hits):
+            if not req.retains(i):
+                continue
+            blk.priority = max(blk.priority, req.priority)
+            ttl = req.pin_ttl_for((i + 1) * self.block_size)
+            if ttl > 0:
+                self.pool.pin(blk, now + ttl)
 
     def _tail_block(self, req: CacheRequest, keys: list[BlockKey], st: _ReqState) -> int | None:
         """First block index not to write under ``admission_tail_tokens``, or None (write all).

@@ -26,7 +26,15 @@ class CacheRequest:
     priority: int = 0
     """Retention priority of the blocks this request writes."""
     pin_ttl_s: float = 0.0
-    """Pin the blocks this request writes for this many seconds (0 = no pin)."""
+    """Pin the blocks this request writes or reads from cache for this many seconds (0 = no pin)."""
+    pin_breakpoints: tuple[tuple[int, float], ...] = ()
+    """Cache breakpoints ``(end token, ttl_s)``: a block that ends at or before a breakpoint's end
+    token is pinned for that TTL (the longest breakpoint covering it wins; ``pin_ttl_s`` still
+    applies to every block). The hosted APIs' retention hints (``prompt_cache_retention``,
+    ``cache_control``) arrive here."""
+    expect_reuse: bool = False
+    """The client expects this prompt to recur (``prompt_cache_key``): its blocks are written even
+    where ``admission_tail_tokens`` would hold the tail of a new long prompt back."""
     block_keys: list[BlockKey] = field(default_factory=list)
     """Keys of the full blocks of token_ids, filled lazily (or given by a trace replay)."""
     keys_given: bool = False
@@ -37,3 +45,17 @@ class CacheRequest:
     """Key chain of the tokens alone (no namespace, no salt), filled lazily for diagnosis."""
     operator_reason: MissReason | None = None
     """A miss reason only the operator may see (``salt``); never part of ``cache_report``."""
+
+    def retains(self, block_index: int) -> bool:
+        """Whether this request's retention (priority, pins) may act on its block ``block_index``:
+        every block of a request without a tenant salt, else the tenant's own blocks only, never
+        the blocks before ``salt_from_block`` that tenants share."""
+        return self.salt is None or block_index >= self.salt_from_block
+
+    def pin_ttl_for(self, block_end: int) -> float:
+        """Seconds to pin a block that ends at token ``block_end`` (0 = no pin)."""
+        ttl = self.pin_ttl_s
+        for end, bp_ttl in self.pin_breakpoints:
+            if block_end <= end:
+                ttl = max(ttl, bp_ttl)
+        return ttl

@@ -185,7 +185,7 @@ class TierLink:
         for i, blk, tier in placed:
             toks = req.token_ids[i * bs:(i + 1) * bs]
             info = AdmitInfo(depth=i, parent=keys[i - 1] if i else m.hasher.namespace,
-                             priority=req.priority,
+                             priority=req.priority if req.retains(i) else 0,
                              salt=req.salt if i == req.salt_from_block else None)
             if not m.pool.cache_block(blk, keys[i], toks, info):
                 break
@@ -218,7 +218,9 @@ class TierLink:
         for (i, blk), payload in zip(placed, payloads):
             entry = TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
                               tuple(req.token_ids[i * bs:(i + 1) * bs]))
-            self.tiers.store(entry, payload, ttl_s=req.pin_ttl_s or None, priority=req.priority)
+            own = req.retains(i)
+            ttl = req.pin_ttl_for((i + 1) * bs) if own else 0.0
+            self.tiers.store(entry, payload, ttl_s=ttl or None, priority=req.priority if own else 0)
 
     def stats(self, block_size: int) -> dict[str, dict]:
         """Per tier: the stack's counters, ``hit_tokens``, and the link's own counters."""

@@ -131,8 +131,14 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     salt_from_block: int = 0, cache_write: bool = True, priority: int = 0,
-                    pin_ttl_s: float = 0.0, arrival_time: float | None = None) -> Request:
-        """Queue a request. Raises RequestRejected (too long, empty) or ValueError (bad ids)."""
+                    pin_ttl_s: float = 0.0, arrival_time: float | None = None,
+                    pin_breakpoints: Sequence[tuple[int, float]] = (),
+                    expect_reuse: bool = False) -> Request:
+        """Queue a request. Raises RequestRejected (too long, empty) or ValueError (bad ids).
+
+        The cache controls (``cache_write``, ``priority``, ``pin_ttl_s``, ``pin_breakpoints``,
+        ``expect_reuse``) are described on ``hotprefix.cache.request.CacheRequest``.
+        """
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.runner.arch.vocab_size
@@ -143,8 +149,9 @@ class LLMEngine:
             raise RequestRejected(f"duplicate request id {rid}", "duplicate_request_id")
         req = Request(request_id=rid, token_ids=token_ids, num_prompt_tokens=len(token_ids),
                       salt=cache_salt, salt_from_block=salt_from_block, cache_write=cache_write,
-                      priority=priority, pin_ttl_s=pin_ttl_s, params=params,
-                      generator=make_generator(params))
+                      priority=priority, pin_ttl_s=pin_ttl_s,
+                      pin_breakpoints=tuple((int(t), float(s)) for t, s in pin_breakpoints),
+                      expect_reuse=expect_reuse, params=params, generator=make_generator(params))
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.scheduler.add(req)

@@ -5,6 +5,7 @@
 
 Routes live in their own modules: ``generate`` (``POST /v1/completions``,
 ``POST /v1/chat/completions``, both streaming as server-sent events with ``stream: true``),
+``messages`` (``POST /v1/messages``, Anthropic's Messages API),
 ``cache_routes`` (``GET /v1/cache/stats``, ``POST /v1/cache/warm``, ``POST /v1/cache/reset``) and
 ``ops_routes`` (``GET /v1/models``, ``GET /health``, ``GET /metrics``), besides ``dashboard``
 (``GET /dashboard``, the operator's live page). They reach the shared
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.engine import LLMEngine
-from hotprefix.server import cache_routes, dashboard, errors, generate, ops_routes
+from hotprefix.server import cache_routes, dashboard, errors, generate, messages, ops_routes
 from hotprefix.server.limits import BodyLimit
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import TenantRegistry
@@ -42,6 +43,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     if server_config.max_request_bytes < MIN_REQUEST_BYTES:
         raise ConfigError(f"max_request_bytes must be >= {MIN_REQUEST_BYTES}, "
                           f"got {server_config.max_request_bytes}")
+    if not server_config.max_cache_ttl_s >= 0:
+        raise ConfigError(f"max_cache_ttl_s must be >= 0, got {server_config.max_cache_ttl_s}")
     # the key file is checked before the model loads, so a typo fails fast
     tenants = TenantRegistry.from_file(server_config.api_keys, server_config.admin_key,
                                        server_config.shared_prefix_tokens)
@@ -64,7 +67,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     app.add_middleware(BodyLimit, max_bytes=server_config.max_request_bytes,
                        on_reject=lambda: count_rejected(413))
     errors.install(app, count_rejected)
-    for module in (generate, cache_routes, ops_routes, dashboard):
+    for module in (generate, messages, cache_routes, ops_routes, dashboard):
         app.include_router(module.router)
     return app
 

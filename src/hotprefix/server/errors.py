@@ -58,6 +58,16 @@ def validation_message(err: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
 
 
+def describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
+    """``(message, param, code)`` for a request that failed validation (a route's API shapes it)."""
+    errors = exc.errors()
+    # a value error (a lone surrogate, say) names its field more precisely than a union's tags
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+    invalid_json = err.get("type") == "json_invalid"
+    param = None if invalid_json else param_from_loc(tuple(err.get("loc", ())))
+    return validation_message(err, param), param, "invalid_json" if invalid_json else None
+
+
 def rejection(exc: Exception, param: str) -> APIError:
     """The API error for an exception raised while submitting a request (``param``: the prompt's)."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
@@ -93,13 +103,8 @@ def install(app: FastAPI, count_rejected) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         count_rejected(400)
-        errors = exc.errors()
-        # a value error (a lone surrogate, say) names its field more precisely than a union's tags
-        err = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
-        invalid_json = err.get("type") == "json_invalid"
-        param = None if invalid_json else param_from_loc(tuple(err.get("loc", ())))
-        return JSONResponse(error_body(validation_message(err, param), param=param,
-                                       code="invalid_json" if invalid_json else None), status_code=400)
+        message, param, code = describe_validation(exc)
+        return JSONResponse(error_body(message, param=param, code=code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -42,15 +43,41 @@ def check_model(state: ServerState, model: str | None) -> None:
                               f"'{state.served_name}'.", param="model", code="model_not_found")
 
 
-def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None) -> dict[str, Any]:
-    """The engine's cache options for a request: the tenant's salt and defaults, the request's hints."""
+@dataclass(frozen=True)
+class CacheHints:
+    """The cache hints a hosted API's client sent (OpenAI's, Anthropic's), before the server's caps."""
+
+    expect_reuse: bool = False
+    """The prompt is expected to recur (``prompt_cache_key``): admit its blocks, favour them."""
+    breakpoints: tuple[tuple[int, float], ...] = ()
+    """``(end token, ttl_s)``: pin the prompt's blocks up to each end token for that long."""
+
+
+def openai_hints(body: P.CompletionRequest | P.ChatCompletionRequest, num_prompt_tokens: int) -> CacheHints:
+    """``prompt_cache_key`` and ``prompt_cache_retention`` as cache hints."""
+    keep = body.prompt_cache_retention == "24h"
+    return CacheHints(expect_reuse=bool(body.prompt_cache_key),
+                      breakpoints=((num_prompt_tokens, P.RETENTION_24H_S),) if keep else ())
+
+
+def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None,
+                  hints: CacheHints | None = None) -> dict[str, Any]:
+    """The engine's cache options for a request: the tenant's salt and defaults, the request's
+    hints, every pin clamped to the server's ``max_cache_ttl_s`` (the pool caps the pinned share)."""
     cache_write = tenant.cache_write and not (ctl is not None and ctl.cache == "none")
     priority = ctl.priority if ctl is not None and ctl.priority is not None else tenant.priority
     ttl = ctl.ttl_s if ctl is not None and ctl.ttl_s is not None else tenant.ttl_s
+    max_ttl = state.config.max_cache_ttl_s
+    hints = hints or CacheHints()
+    priority = int(priority or 0) + (P.CACHE_KEY_PRIORITY if hints.expect_reuse else 0)
     return {"cache_salt": tenant.salt,
             "salt_from_block": tenant.shared_prefix_tokens // state.block_size,
-            "cache_write": cache_write, "priority": int(priority or 0),
-            "pin_ttl_s": min(float(ttl or 0.0), P.MAX_TTL_S)}
+            "cache_write": cache_write,
+            "priority": max(-P.MAX_PRIORITY, min(priority, P.MAX_PRIORITY)),
+            "pin_ttl_s": min(float(ttl or 0.0), max_ttl),
+            "pin_breakpoints": tuple((end, min(t, max_ttl)) for end, t in hints.breakpoints
+                                     if min(t, max_ttl) > 0),
+            "expect_reuse": hints.expect_reuse}
 
 
 def sampling(body: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
@@ -69,10 +96,11 @@ def sampling(body: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
 
 
 async def submit(state: ServerState, prompt: list[int], params: SamplingParams, rid: str,
-                 tenant: Tenant, ctl: P.CacheControl | None, prompt_param: str) -> RequestStream:
+                 tenant: Tenant, ctl: P.CacheControl | None, prompt_param: str,
+                 hints: CacheHints | None = None) -> RequestStream:
     try:
         return await state.aengine.add_request(prompt, params, rid, user_data=tenant.tag,
-                                               **cache_options(state, tenant, ctl))
+                                               **cache_options(state, tenant, ctl, hints))
     except SUBMIT_ERRORS as e:
         raise rejection(e, prompt_param) from None
 
@@ -132,7 +160,8 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     params = sampling(body, max_tokens)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field)
+    stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field,
+                          openai_hints(body, len(ids)))
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)
         return stream_response(stream, chat, rid, created, state.served_name, inc,

@@ -19,6 +19,13 @@ MAX_TTL_S = 86400.0
 """Longest retention pin a request may ask for (seconds)."""
 MAX_PRIORITY = 1000
 """Retention priorities are clamped to [-MAX_PRIORITY, MAX_PRIORITY]."""
+CACHE_KEY_PRIORITY = 1
+"""Retention priority added for a request that carries a ``prompt_cache_key`` (under ``freq`` one
+level is worth one doubling of a block's reuse count); the sum stays within MAX_PRIORITY."""
+RETENTION_24H_S = 86400.0
+"""Pin requested by ``prompt_cache_retention: "24h"`` (then clamped to the server's maximum TTL)."""
+MAX_CACHE_KEY_CHARS = 1024
+"""Longest ``prompt_cache_key`` accepted."""
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -113,6 +120,13 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     hotprefix: CacheControl | None = None
+    prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
+    """OpenAI's reuse hint: requests carrying a key are expected to recur, so their blocks are
+    admitted even past ``--admission-tail-tokens`` and get CACHE_KEY_PRIORITY more retention. It
+    never enters a block key: it cannot reach another tenant's blocks."""
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    """``24h`` pins the prompt's blocks for a day (within the server's maximum TTL and the pool's
+    pin share); ``in_memory`` (the default) is ordinary retention."""
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,222 @@
+"""``POST /v1/messages``: the Anthropic Messages API, as JSON or as its server-sent events.
+
+The request becomes chat template messages (``anthropic_protocol.conversation``) and goes through
+the same path as the OpenAI routes (``generate.submit``, ``collect``, ``finish``), with its
+``cache_control`` marks as cache hints: each mark pins the prompt's blocks up to it for its TTL.
+Usage is reported Anthropic's way (``input_tokens``, ``cache_read_input_tokens``,
+``cache_creation_input_tokens``, ``output_tokens``) and the cache report rides along as
+``hotprefix`` and the ``x-hotprefix-cache`` header. Every error on this route, the caller's key and
+the body's validation included, is answered in Anthropic's shape
+(``{"type": "error", "error": {"type", "message"}}``) by ``AnthropicRoute``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, cast
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotprefix.engine.async_engine import RequestStream
+from hotprefix.engine.engine import RequestOutput
+from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.server import anthropic_protocol as A
+from hotprefix.server.deps import get_state, tenant_dep
+from hotprefix.server.errors import describe_validation, engine_error
+from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_model, finish,
+                                       submit)
+from hotprefix.server.protocol import APIError
+from hotprefix.server.state import ServerState
+from hotprefix.server.streaming import collect
+from hotprefix.server.tenants import Tenant
+from hotprefix.tokenizer import Tokenizer, TokenizerError
+
+ROUTE = "messages"
+"""The route's label in metrics and request logs."""
+
+
+class AnthropicRoute(APIRoute):
+    """An API route whose errors (API errors, body validation, a body over the limit) are answered
+    in Anthropic's error shape instead of OpenAI's."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return _error(request, e.status, e.message, e.headers)
+            except RequestValidationError as e:
+                message, _param, _code = describe_validation(e)
+                return _error(request, 400, message)
+            except StarletteHTTPException as e:  # a streamed body over the limit (413)
+                return _error(request, e.status_code, str(e.detail), getattr(e, "headers", None))
+
+        return route
+
+
+def _error(request: Request, status: int, message: str,
+           headers: dict[str, str] | None = None) -> Response:
+    state: ServerState = request.app.state.hotprefix
+    state.metrics.rejected.labels(str(status)).inc()
+    return JSONResponse(A.error_body(status, message), status_code=status, headers=headers or None)
+
+
+router = APIRouter(route_class=AnthropicRoute)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: A.Prompt) -> list[int]:
+    """Token ids of a conversation; a final assistant message is continued, not closed."""
+    if prompt.prefill is None:
+        return tokenizer.encode_chat(prompt.messages)
+    text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True) + prompt.prefill
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+async def prompt_and_hints(state: ServerState, conv: A.Conversation) -> tuple[list[int], CacheHints]:
+    """The prompt's token ids and its breakpoints as ``(end token, ttl_s)`` pins.
+
+    A breakpoint's end is where the prompt cut after the marked block stops agreeing with the whole
+    prompt (at most the cut's length): the blocks wholly before it are the marked prefix.
+    """
+    try:
+        ids = await state.encode(encode_prompt, state.tokenizer, conv.prompt)
+        breakpoints = []
+        for cut, ttl in conv.breakpoints:
+            cut_ids = await state.encode(encode_prompt, state.tokenizer, cut)
+            breakpoints.append((_common_prefix(ids, cut_ids), ttl))
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if not ids:
+        raise APIError(400, "The conversation renders to an empty prompt.", param="messages")
+    if conv.whole_prompt_ttl_s is not None:
+        breakpoints.append((len(ids), conv.whole_prompt_ttl_s))
+    return ids, CacheHints(breakpoints=tuple(breakpoints))
+
+
+def sampling(body: A.MessagesRequest) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p,
+                              top_k=-1 if body.top_k is None else body.top_k,
+                              max_tokens=body.max_tokens, stop=body.stop_sequences or None)
+    except SamplingError as e:
+        param = {"stop": "stop_sequences"}.get(e.param or "", e.param)
+        raise APIError(400, str(e), param=param) from None
+
+
+async def matched_stop(state: ServerState, body: A.MessagesRequest, out: RequestOutput) -> str | None:
+    """The stop sequence that ended the output, or None (end of turn, length)."""
+    stops = [s for s in body.stop_sequences or () if s]
+    if out.finish_reason != "stop" or not stops:
+        return None
+    last = out.token_ids[-1] if out.token_ids else None
+    if last is not None and last in state.tokenizer.eos_token_ids:
+        return None
+    if len(stops) == 1:
+        return stops[0]
+    # several: the one that starts first in the text past the answer (decoded with the stop string)
+    full = cast(str, await state.encode(state.tokenizer.decode, out.token_ids))
+    rest = full[len(out.text):]
+    return min(stops, key=lambda s: (rest.find(s) if s in rest else len(rest) + 1, -len(s)))
+
+
+def usage(state: ServerState, out: RequestOutput) -> dict[str, int]:
+    written = out.cache_report.written_blocks if out.cache_report is not None else 0
+    return A.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens, written,
+                   state.block_size)
+
+
+def message_json(state: ServerState, rid: str, content: list[dict[str, Any]], stop_reason: str | None,
+                 stop_sequence: str | None, u: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "type": "message", "role": "assistant", "model": state.served_name,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": u}
+
+
+@router.post("/v1/messages")
+async def messages(body: A.MessagesRequest, request: Request,
+                   tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
+    check_model(state, body.model)
+    bad = A.unsupported(body)
+    if bad:
+        raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    ids, hints = await prompt_and_hints(state, A.conversation(body))
+    params = sampling(body)
+    rid = f"msg_{uuid.uuid4().hex}"
+    stream = await submit(state, ids, params, rid, tenant, None, "messages", hints)
+    if body.stream:
+        return stream_messages(state, body, stream, rid, tenant)
+    out = await collect(stream, request)
+    if out is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if out.finish_reason == "error":
+        raise engine_error(out)
+    rep = finish(state, out, ROUTE, tenant)
+    stop = await matched_stop(state, body, out)
+    content = [{"type": "text", "text": out.text}]
+    msg = message_json(state, rid, content, A.stop_reason(out.finish_reason, stop), stop,
+                       usage(state, out))
+    return JSONResponse({**msg, "hotprefix": {"cache": rep}},
+                        headers={"x-hotprefix-cache": cache_header(rep)})
+
+
+def event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
+
+
+def stream_messages(state: ServerState, body: A.MessagesRequest, stream: RequestStream, rid: str,
+                    tenant: Tenant) -> StreamingResponse:
+    """Anthropic's events: ``message_start`` (with the prompt's usage, once it has run),
+    ``content_block_start``, ``content_block_delta``..., ``content_block_stop``, ``message_delta``
+    (stop reason, final usage, the cache report), ``message_stop``; ``error`` if the engine fails."""
+
+    async def events() -> AsyncIterator[str]:
+        started = done = False
+        try:
+            async for out in stream:
+                if out.finish_reason == "error":
+                    yield event("error", A.error_body(500, engine_error(out).message))
+                    return
+                if not started:
+                    started = True
+                    yield event("message_start", {"message": message_json(
+                        state, rid, [], None, None, usage(state, out))})
+                    yield event("content_block_start",
+                                {"index": 0, "content_block": {"type": "text", "text": ""}})
+                if out.new_text:
+                    yield event("content_block_delta",
+                                {"index": 0, "delta": {"type": "text_delta", "text": out.new_text}})
+                if not out.finished:
+                    continue
+                done = True
+                rep = finish(state, out, ROUTE, tenant)
+                stop = await matched_stop(state, body, out)
+                yield event("content_block_stop", {"index": 0})
+                delta = {"stop_reason": A.stop_reason(out.finish_reason, stop), "stop_sequence": stop}
+                yield event("message_delta", {"delta": delta, "usage": usage(state, out),
+                                              "hotprefix": {"cache": rep}})
+                yield event("message_stop", {})
+            if not done:
+                yield event("error", A.error_body(500, "the request ended without an answer"))
+        finally:
+            if not stream.finished:
+                stream.abort_nowait()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
