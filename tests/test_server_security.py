@@ -227,3 +227,21 @@ def test_lone_surrogates_are_a_400_naming_the_field(srv, route, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "surrogate" in err["message"]
+
+
+def test_text_too_long_for_the_model_is_refused_without_tokenizing(tiny_model_dir, monkeypatch):
+    cfg = tiny_config(tiny_model_dir, max_model_len=64)
+    with LiveServer(cfg, ServerConfig(max_request_bytes=1024 * 1024)) as s:
+        calls = []
+        real = s.state.tokenizer.encode
+        monkeypatch.setattr(s.state.tokenizer, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
+        big = "word " * (64 * s.state.tokenizer.max_token_bytes // 5 + 10)
+        r = httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": big}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert calls == []  # refused before the tokenizer saw it
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
+                       json={"model": s.model, "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = httpx.post(s.url + "/v1/messages", timeout=30,
+                       json={"model": s.model, "max_tokens": 4, "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 400 and calls == []

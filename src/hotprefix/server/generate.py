@@ -105,9 +105,20 @@ async def submit(state: ServerState, prompt: list[int], params: SamplingParams, 
         raise rejection(e, prompt_param) from None
 
 
+def check_fits(state: ServerState, texts: list[str], param: str) -> None:
+    """Refuse, without tokenizing it, text that cannot fit in ``max_model_len`` tokens whatever
+    its tokens (more UTF-8 bytes than ``max_model_len`` times the longest token's)."""
+    n = sum(len(t.encode("utf-8")) for t in texts)
+    if n > state.max_model_len * state.tokenizer.max_token_bytes:
+        raise P.APIError(400, f"The {param} has {n} bytes of text, more than {state.max_model_len} "
+                              "tokens can hold (max_model_len).", param=param,
+                         code="context_length_exceeded")
+
+
 async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: str = "messages") -> list[int]:
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
+    check_fits(state, [str(m.get("content") or "") for m in P.message_dicts(messages)], param)
     try:
         ids = await state.encode(state.tokenizer.encode_chat, P.message_dicts(messages))
     except TokenizerError as e:
@@ -122,6 +133,8 @@ async def text_prompt(state: ServerState, prompt: Any, param: str) -> list[int]:
     empty = P.APIError(400, f"{'The prompt' if param == 'prompt' else param} is empty.", param=param)
     if isinstance(prompt, str) and not prompt:
         raise empty
+    if isinstance(prompt, str):
+        check_fits(state, [prompt], param)
     ids = await state.encode(state.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise empty

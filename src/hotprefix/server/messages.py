@@ -26,11 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.textutil import common_prefix_len
 from hotprefix.server import anthropic_protocol as A
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
-from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_model, finish,
-                                       submit)
+from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
+                                       check_model, finish, submit)
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import collect
@@ -80,26 +81,20 @@ def encode_prompt(tokenizer: Tokenizer, prompt: A.Prompt) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 async def prompt_and_hints(state: ServerState, conv: A.Conversation) -> tuple[list[int], CacheHints]:
     """The prompt's token ids and its breakpoints as ``(end token, ttl_s)`` pins.
 
     A breakpoint's end is where the prompt cut after the marked block stops agreeing with the whole
     prompt (at most the cut's length): the blocks wholly before it are the marked prefix.
     """
+    texts = [str(m.get("content") or "") for m in conv.prompt.messages] + [conv.prompt.prefill or ""]
+    check_fits(state, texts, "messages")
     try:
         ids = await state.encode(encode_prompt, state.tokenizer, conv.prompt)
         breakpoints = []
         for cut, ttl in conv.breakpoints:
             cut_ids = await state.encode(encode_prompt, state.tokenizer, cut)
-            breakpoints.append((_common_prefix(ids, cut_ids), ttl))
+            breakpoints.append((common_prefix_len(ids, cut_ids), ttl))
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
     if not ids:
