@@ -104,8 +104,8 @@ def test_a_conversations_turns_go_to_the_replica_holding_its_prefix():
             assert d.replica == home[c] and d.reason == "prefix"
             assert hits == d.hit_blocks == prev_len[c] // BS  # the previous turn's full blocks
         prev_len[c] = len(toks)
-    # first turns share only the system prompt: its holder's load sends the others elsewhere
-    assert len(set(home.values())) == 4
+    # first turns share only the system prompt: its holder's growing load sends the rest elsewhere
+    assert len(set(home.values())) >= 3 and max(Counter(home.values()).values()) <= 4
 
 
 def test_with_one_replica_overloaded_new_misses_and_its_prefixes_go_elsewhere():
@@ -114,7 +114,7 @@ def test_with_one_replica_overloaded_new_misses_and_its_prefixes_go_elsewhere():
     doc = rand_tokens(rng, 2000 * BS)  # worth more than the holder's load: only overload moves it
     d0, _ = fleet.send(doc)
     holder = d0.replica
-    fleet.router.set_load(holder, 25_000)  # > 1.25 x mean + 16384
+    fleet.router.set_load(holder, 120_000)  # > 1.5 x mean + 65536, < w x the doc's tokens
     picks = Counter(fleet.send(rand_tokens(rng, 4 * BS))[0].replica for _ in range(40))
     assert holder not in picks and len(picks) == 3
     d, _ = fleet.send(doc + rand_tokens(rng, BS))
@@ -194,7 +194,8 @@ def test_tier_blocks_are_cheaper_than_a_prefill_and_a_shared_tier_serves_everyon
     assert runs == {"a": (4, 6), "b": (0, 10), "c": (0, 10)}  # the shared tier is everyone's
     d = router.route_tokens(toks)
     assert d.replica == "a" and (d.hit_blocks, d.tier_blocks) == (4, 6)
-    assert d.prefill_tokens == 1 and d.cost < 10 * BS * RouterConfig().tier_weight + 1
+    cfg = RouterConfig()
+    assert d.prefill_tokens == 1 and d.cost == cfg.prefill_weight * (1 + cfg.tier_weight * 6 * BS)
     router2 = Router(["a", "b"], BS, hasher=BlockHasher(NS, BS))
     router2.apply_events("b", [t.BlockStored(keys, None, toks[:10 * BS], BS, None, "DISK", None)])
     assert router2.index.runs(keys, ["a", "b"]) == {"a": (0, 0), "b": (0, 10)}  # a local tier is not

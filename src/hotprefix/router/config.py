@@ -13,20 +13,22 @@ class RouterConfig:
 
     policy: str = "prefix"
     """``prefix`` (cost = prefill + load, below), ``round_robin`` or ``least_loaded``."""
-    prefill_weight: float = 1.0
+    prefill_weight: float = 8.0
     """``w`` in cost = w x tokens to prefill on the replica + its load (running and waiting
-    tokens). 1 prices a token to prefill like a token of queued work: roughly the replica's time
-    to first token."""
+    tokens). 1 would price a token to prefill like a token of queued work (the request's own time
+    to first token); more values a cached prefix above that, because keeping a conversation on its
+    replica also saves its later turns and keeps copies of it out of other pools (8: the best of
+    1-32 on the Mooncake conversation trace, README "A fleet"). The overload threshold bounds it."""
     tier_weight: float = 0.25
     """A block the replica can load from a KV tier (its own, or a shared one) costs this fraction
     of prefilling it."""
-    overload_ratio: float = 1.25
+    overload_ratio: float = 1.5
     """A replica whose load exceeds ``overload_ratio`` x the fleet's mean load (plus
     ``overload_slack_tokens``) gets no request for its cached prefix or affinity key: affinity
     yields to load there."""
-    overload_slack_tokens: int = 16384
+    overload_slack_tokens: int = 65536
     """Load any replica may carry before the overload ratio applies (a lightly loaded fleet keeps
-    its affinity)."""
+    its affinity; a few long prompts' worth, so one arrival does not break it)."""
     decision_ttl_s: float = 600.0
     """How long the router trusts its own past decisions (block -> replica it sent the block to)
     where no KV event says otherwise; also the life of a ``prompt_cache_key`` affinity."""
