@@ -1,4 +1,5 @@
-"""The trace-replay simulator: formats, engine agreement, MIN bound, retention controls, sweep."""
+"""The trace-replay simulator: formats, synthetic tokens, engine agreement, MIN bound, retention
+controls, the store tier, sweep."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from hotprefix.simulate import TraceRequest
 
 def keyed(chain_ids, n_prompt=None, bs=16, **kw) -> TraceRequest:
     """A request whose full blocks are the given (already chained) ids."""
-    keys = [str(x).encode() for x in chain_ids]
-    n = n_prompt if n_prompt is not None else len(keys) * bs + 1  # +1: every block can hit
-    return TraceRequest(n, n, keys, **kw)
+    ids = list(chain_ids)
+    n = n_prompt if n_prompt is not None else len(ids) * bs + 1  # +1: every block can hit
+    return TraceRequest(n, n, ids, **kw)
 
 
 def scan_trace(warm=30, docs=100, doc_blocks=60, sys_blocks=4):
@@ -38,11 +39,47 @@ def scan_trace(warm=30, docs=100, doc_blocks=60, sys_blocks=4):
 def test_mooncake_subblocks_and_partial_last_block():
     keys = sim.mooncake_keys([7, 9], 512 + 100, 16)
     assert len(keys) == 32 + 6  # 100 tokens of the partial block = 6 full sub-blocks
+    assert len(set(keys)) == len(keys)
     again = sim.mooncake_keys([7, 11], 1024, 16)
     assert keys[:32] == again[:32] and keys[32] != again[32]
-    assert sim.mooncake_keys([7, 9], 1000, 512) == [b"7"]
+    assert sim.mooncake_keys([7, 9], 1000, 512) == sim.mooncake_keys([7], 512, 512)
+    assert sim.mooncake_keys([8, 9], 1024, 512)[1] != sim.mooncake_keys([7, 9], 1024, 512)[1]  # chained
     with pytest.raises(ValueError):
         sim.mooncake_keys([1], 512, 48)
+
+
+def test_synthetic_tokens_one_distinct_id_per_block():
+    toks = sim.synthetic_tokens([7, 9], 64, 16, 64 + 20)
+    assert len(toks) == 84
+    assert toks[0::16] == [28, 29, 30, 31, 36, 37] and set(toks) - set(toks[0::16]) == {0}
+    assert sim.synthetic_tokens([5], 16, 16, 20) == [5] + [0] * 19  # a partial block past the ids
+    with pytest.raises(ValueError, match="do not cover"):
+        sim.synthetic_tokens([5], 16, 16, 32)
+
+
+def test_ids_replay_like_the_same_trace_as_real_tokens():
+    """Synthetic tokens are a stand-in only: the same trace written with real (random) tokens,
+    equal exactly where the ids are equal, replays to the same hits, request by request."""
+    reqs = random_trace(4, n_req=150)
+    rng = random.Random(0)
+    block = {}
+    as_tokens = []
+    for r in reqs:
+        toks = []
+        for x in r.block_ids:
+            if x not in block:
+                block[x] = [rng.randrange(1, 50_000) for _ in range(16)]
+            toks += block[x]
+        toks = (toks + [1] * 16)[:r.num_prompt_tokens]
+        as_tokens.append(TraceRequest(len(toks), len(toks), None, toks))
+    for pol in ("lru", "freq", "min"):
+        a = sim.replay(reqs, 20 * 16, pol, 16, keep_per_request=True)
+        b = sim.replay(as_tokens, 20 * 16, pol, 16, keep_per_request=True)
+        assert a.per_request_hits == b.per_request_hits and a.evictions == b.evictions > 0, pol
+    keys = sim.request_keys(reqs, 16)  # keys given up front: the manager hashes no prompt again
+    for pol in ("lru", "freq"):
+        assert (sim.replay(reqs, 20 * 16, pol, 16, keys=keys, keep_per_request=True).per_request_hits
+                == sim.replay(reqs, 20 * 16, pol, 16, keep_per_request=True).per_request_hits)
 
 
 def test_trace_formats(tmp_path):
@@ -55,11 +92,29 @@ def test_trace_formats(tmp_path):
     ]
     p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     a, b, c = sim.load_trace(str(p), 16)
-    assert len(a.block_keys) == 1100 // 16 and a.timestamp == 1.5
-    assert b.num_tokens == 41 and len(b.block_keys) == 2 and not b.cache_write
-    assert c.block_keys is None and c.priority == 2 and c.pin_ttl_s == 5.0
+    assert a.block_ids == [1, 2, 3] and a.timestamp == 1.5
+    assert b.num_tokens == 41 and b.block_ids == [int("aa" * 7, 16), int("bb" * 7, 16)]
+    assert not b.cache_write
+    assert c.block_ids is None and c.priority == 2 and c.pin_ttl_s == 5.0
+    assert [len(k) for k in sim.request_keys([a, b, c], 16)] == [1100 // 16, 41 // 16, 50 // 16]
     with pytest.raises(ValueError, match="block_size 16"):
         sim.load_trace(str(p), 32)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"input_length": 1100, "hash_ids": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match="cover"):
+        sim.load_trace(str(short), 16)
+
+
+def test_request_log_keys_replay_as_chained_blocks(tmp_path):
+    """Logged keys become synthetic tokens: a line that repeats another's first keys hits them."""
+    p = tmp_path / "log.jsonl"
+    k = [f"{i:02x}" * 32 for i in range(1, 6)]
+    lines = [{"block_keys": k[:3], "block_size": 16, "num_prompt_tokens": 50, "num_output_tokens": 1},
+             {"block_keys": k[:2] + k[3:5], "block_size": 16, "num_prompt_tokens": 65,
+              "num_output_tokens": 1}]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    res = sim.replay(sim.load_trace(str(p), 16), 100 * 16, "lru", 16, keep_per_request=True)
+    assert res.per_request_hits == [0, 2]
 
 
 # ---------------------------------------------------------------------------- engine agreement
@@ -105,7 +160,7 @@ def random_trace(seed, n_req=40, n_convs=6, max_len=10):
                 conv.clear()
             conv.extend(range(nid, nid + rng.randrange(1, 4)))
             nid += 3
-            chain = [("c", c, x) if i == 0 else x for i, x in enumerate(conv)]
+            chain = [-1 - x if i == 0 else x for i, x in enumerate(conv)]  # a conversation's root
         reqs.append(keyed(chain, n_prompt=len(chain) * 16 + rng.choice([-5, 1, 7])))
     return reqs
 
@@ -133,7 +188,7 @@ def test_no_block_is_stranded(policy):
     pool = BlockPool(25, 16, policy, ghost_size=0)
     mgr = KVCacheManager(pool, BlockHasher(sim.SIM_NAMESPACE, 16))
     for i, r in enumerate(random_trace(11, n_req=300)):
-        req = CacheRequest(str(i), [], r.num_prompt_tokens, block_keys=list(r.block_keys), keys_given=True)
+        req = CacheRequest(str(i), r.tokens(16), r.num_prompt_tokens)
         hits = mgr.lookup(req)
         mgr.allocate(req, r.num_tokens - 16 * len(hits), 16 * len(hits), hits)
         mgr.commit(req, r.num_tokens)
@@ -242,6 +297,45 @@ def test_admission_tail_caches_a_long_tail_only_when_its_head_was_seen():
     assert off.per_request_hits == [0, 24]
 
 
+# ---------------------------------------------------------------------------- store tier
+def test_store_serves_a_block_the_pool_evicted_and_puts_it_back():
+    a, b = keyed([1, 2, 3]), keyed([10, 11, 12])  # 3 full blocks + 1 partial = the whole pool
+    reqs = [a, b, a, a]
+    alone = sim.replay(reqs, 4 * 16, "lru", 16, keep_per_request=True)
+    assert alone.per_request_hits == [0, 0, 0, 3]  # b evicted a from the pool
+    res = sim.replay(reqs, 4 * 16, "lru", 16, keep_per_request=True, kv_store_capacity_tokens=10 * 16)
+    assert res.per_request_hits == [0, 0, 3, 3]  # the store served a; it went back into the pool
+    assert res.by_tier() == {"pool": 3, "store": 3} and res.store_hit_blocks == 3
+    assert res.evictions == alone.evictions and res.written_blocks == alone.written_blocks
+    assert res.store is not None and res.store.written_blocks == 6 and res.store.evictions == 0
+
+
+def test_store_is_an_lru_of_its_own_capacity():
+    """A store of 6 blocks under a pool of 4: reads count as use, so the block set read last
+    survives the next writes and the one written earlier goes."""
+    a, b, c = keyed([1, 2, 3]), keyed([10, 11, 12]), keyed([20, 21, 22])
+    res = sim.replay([a, b, a, c, a, b], 4 * 16, "lru", 16, keep_per_request=True,
+                     kv_store_capacity_tokens=6 * 16)
+    # c's write drops b (a was read after b was written); b's rewrite then drops c
+    assert res.per_request_hits == [0, 0, 3, 0, 3, 0]
+    store = res.store
+    assert store is not None and len(store) == store.num_blocks == 6
+    assert store.evictions == 6 and store.written_blocks == 12
+    keys = sim.request_keys([a, b, c], 16)
+    assert all(k in store for k in keys[0][:3] + keys[1][:3]) and not any(k in store for k in keys[2])
+
+
+def test_store_serves_only_the_run_right_after_the_pool_hits():
+    """A miss the store cannot fill ends the hit, even if the store holds later blocks."""
+    tier = sim.StoreTier(4 * 16, 16)
+    tier.write([b"k0", b"k2", b"k3"])
+    assert tier.serve([b"k0", b"k1", b"k2", b"k3"], 0, 4) == 1
+    assert tier.serve([b"k0", b"k1", b"k2", b"k3"], 2, 4) == 2
+    assert tier.serve([b"k0", b"k1", b"k2", b"k3"], 2, 3) == 1  # never past the lookup limit
+    with pytest.raises(ValueError):
+        sim.StoreTier(15, 16)
+
+
 # ---------------------------------------------------------------------------- CLI
 def _write_mooncake(path, n=300, seed=0):
     rng = random.Random(seed)
@@ -278,6 +372,33 @@ def test_cli_json_and_min(tmp_path, capsys):
     assert cli_main(["simulate", str(p), "--capacity-tokens", "60000", "--block-size", "512",
                      "--json", "--policy", "min"]) == 0
     assert json.loads(capsys.readouterr().out)["block_hit_ratio"] == out["min"]["block_hit_ratio"]
+
+
+def test_cli_store_tier_json(tmp_path, capsys):
+    p = tmp_path / "mc.jsonl"
+    _write_mooncake(p)
+    base = [str(p), "--capacity-tokens", "60000", "--block-size", "512", "--json"]
+    assert sim.main(base) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["hit_tokens_by_tier"] == {"pool": alone["hit_tokens"]} and "kv_store" not in alone
+    assert sim.main(base + ["--kv-store-capacity-tokens", "600000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by_tokens, by_blocks = out["hit_tokens_by_tier"], out["hit_blocks_by_tier"]
+    assert set(by_tokens) == set(by_blocks) == set(out["block_hit_ratio_by_tier"]) == {"pool", "store"}
+    assert sum(by_tokens.values()) == out["hit_tokens"] and sum(by_blocks.values()) == out["hit_blocks"]
+    assert by_tokens["pool"] == alone["hit_tokens"]  # write-through: the pool behaves as alone
+    assert by_tokens["store"] > 0 and out["block_hit_ratio"] > alone["block_hit_ratio"]
+    ratios = out["block_hit_ratio_by_tier"]
+    assert abs(ratios["pool"] + ratios["store"] - out["block_hit_ratio"]) < 2e-6
+    assert out["kv_store"]["capacity_tokens"] == 600000 and out["kv_store"]["num_blocks"] == 1171
+    assert out["kv_store"]["written_blocks"] > 0
+    assert sim.main(base[:-1] + ["--kv-store-capacity-tokens", "600000"]) == 0
+    assert "store" in capsys.readouterr().out
+    for bad in (["--kv-store-capacity-tokens", "100"], ["--kv-store-capacity-tokens", "600000",
+                                                        "--policy", "ceiling"]):
+        assert sim.main(base + bad) == 2
+    assert sim.main([str(p), "--sweep", "--kv-store-capacity-tokens", "600000"]) == 2
+    capsys.readouterr()
 
 
 def test_cli_sweep_writes_plot_json_and_sizing(tmp_path, capsys):

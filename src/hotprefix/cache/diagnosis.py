@@ -83,23 +83,20 @@ def miss_reason(m: CacheView, req: CacheRequest, k: int) -> Miss:
     if m.pool.was_evicted(keys[k]):
         return Miss(MissReason.EVICTED, pos, {"block_index": k})
     operator = None
-    if not req.keys_given:
-        content = m.content_keys(req, k + 1)[k]
-        scope = req.salt if k >= req.salt_from_block else None
-        namespaces = m.ledger.lookup(content, scope)
-        if m.namespace_tag in namespaces:  # this tenant cached it here before; it is gone now
-            return Miss(MissReason.EVICTED, pos, {"block_index": k})
-        if namespaces:
-            return Miss(MissReason.NAMESPACE, pos, {
-                "block_index": k, "note": "you cached these tokens under another model or tokenizer "
-                "fingerprint (checkpoint or tokenizer change)",
-                "other_namespaces": sorted(namespaces)[:4]})
-        if m.ledger.held_by_other_scope(content, m.namespace_tag, scope):
-            operator = MissReason.SALT
+    content = m.content_keys(req, k + 1)[k]
+    scope = req.salt if k >= req.salt_from_block else None
+    namespaces = m.ledger.lookup(content, scope)
+    if m.namespace_tag in namespaces:  # this tenant cached it here before; it is gone now
+        return Miss(MissReason.EVICTED, pos, {"block_index": k})
+    if namespaces:
+        return Miss(MissReason.NAMESPACE, pos, {
+            "block_index": k, "note": "you cached these tokens under another model or tokenizer "
+            "fingerprint (checkpoint or tokenizer change)",
+            "other_namespaces": sorted(namespaces)[:4]})
+    if m.ledger.held_by_other_scope(content, m.namespace_tag, scope):
+        operator = MissReason.SALT
     parent = keys[k - 1] if k else m.hasher.namespace
     siblings = [b for b in m.pool.cached_children(parent) if readable(k, b.salt, req)]
-    if siblings and req.keys_given:  # trace replay: no tokens to compare
-        return Miss(MissReason.DIVERGED, pos, {"block_index": k}, operator)
     if siblings:
         sent = req.token_ids[pos:pos + bs]
         best, common = max(((b, common_prefix_len(sent, b.token_ids or ())) for b in siblings),

@@ -80,8 +80,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ keys
     def keys(self, req: CacheRequest) -> list[BlockKey]:
-        if not req.keys_given:
-            self.hasher.extend(req.block_keys, req.token_ids, req.salt, req.salt_from_block)
+        """The request's block keys, extended to every full block of its tokens."""
+        self.hasher.extend(req.block_keys, req.token_ids, req.salt, req.salt_from_block)
         return req.block_keys
 
     def block_table(self, request_id: str) -> list[int]:
@@ -109,12 +109,10 @@ class KVCacheManager:
         """The longest run of leading full blocks cached in the pool now."""
         keys = self.keys(req)
         bs = self.block_size
-        known = req.num_prompt_tokens if req.keys_given else len(req.token_ids)
-        limit = min(len(keys), cacheable_blocks(known, bs))
+        limit = min(len(keys), cacheable_blocks(len(req.token_ids), bs))
         hits: list[KVBlock] = []
         for i in range(limit):
-            toks = None if req.keys_given else req.token_ids[i * bs:(i + 1) * bs]
-            blk = self.pool.lookup(keys[i], toks)
+            blk = self.pool.lookup(keys[i], req.token_ids[i * bs:(i + 1) * bs])
             if blk is None:
                 break
             hits.append(blk)
@@ -213,7 +211,7 @@ class KVCacheManager:
             if tail_from is not None and i >= tail_from:
                 st.write_stopped = True  # the tail of a long prompt whose head is new: not written
                 continue
-            toks = req.token_ids[i * bs:(i + 1) * bs] if not req.keys_given else ()
+            toks = req.token_ids[i * bs:(i + 1) * bs]
             info = AdmitInfo(depth=i, parent=keys[i - 1] if i else self.hasher.namespace,
                              priority=req.priority if req.retains(i) else 0,
                              salt=req.salt if i == req.salt_from_block else None)
@@ -227,9 +225,8 @@ class KVCacheManager:
             self.tenant_stats(req.salt).written_blocks += 1
             if req.cache_report is not None:
                 req.cache_report.written_blocks += 1
-            if not req.keys_given:
-                self._record_content(req, i)
-                placed.append((i, blk))
+            self._record_content(req, i)
+            placed.append((i, blk))
         st.num_committed = max(st.num_committed, n_full)
         if self.tiers is not None:
             self.tiers.store(self, req, placed)  # write-through to the KV tiers

@@ -36,9 +36,9 @@ class CacheRequest:
     """The client expects this prompt to recur (``prompt_cache_key``): its blocks are written even
     where ``admission_tail_tokens`` would hold the tail of a new long prompt back."""
     block_keys: list[BlockKey] = field(default_factory=list)
-    """Keys of the full blocks of token_ids, filled lazily (or given by a trace replay)."""
-    keys_given: bool = False
-    """block_keys come from outside (trace replay): never recompute them from tokens."""
+    """Keys of the full blocks of token_ids, filled lazily by the manager. A caller may give some
+    up front (a trace replay that hashed the trace once): they must be the manager's hasher's keys
+    of these same tokens, since only the missing ones are computed."""
     cache_report: CacheReport | None = None
     """The miss report of this request's first admission."""
     content_keys: list[BlockKey] = field(default_factory=list)

@@ -122,7 +122,7 @@ class TierLink:
     # ------------------------------------------------------------------ reads
     def start_fetch(self, m: PoolOwner, req: CacheRequest) -> None:
         """Look up the blocks past the pool's current hit run in the tiers, in the background."""
-        if req.keys_given or req.request_id in self._state:
+        if req.request_id in self._state:
             return
         st = self._state[req.request_id] = TierState()
         keys = m.keys(req)

@@ -7,7 +7,8 @@ nothing. Two bounds come with it: Belady's MIN (``--policy min``: an offline pol
 each key's next use; parents are always needed no later than their children, ties go to the
 deepest block) and the infinite-cache ceiling. ``--sweep`` draws the miss-ratio curve (hit ratio vs
 capacity, one line per policy plus MIN and the ceiling) and prints the smallest ``kv_cache_memory``
-that reaches a share of the ceiling.
+that reaches a share of the ceiling. ``--kv-store-capacity-tokens`` adds a simulated store tier
+below the pool (written through, serves the pool's misses it holds) and reports hits by tier.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per block (512 replays Mooncake ids whole: much faster)")
     p.add_argument("--admission-tail-tokens", type=int, default=None,
                    help="cache the tail past this many prompt tokens only for a prefix seen before")
+    p.add_argument("--kv-store-capacity-tokens", type=int, default=None,
+                   help="add a simulated LRU store tier of this many tokens below the pool: every "
+                        "block the pool caches is written to it, a pool miss it holds is loaded "
+                        "from it; the output gives hits by tier")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="miss-ratio curve: capacities up to the ceiling")
@@ -82,13 +87,19 @@ def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
     if args.capacity_tokens is None:
         return _error("--capacity-tokens is required (or use --sweep)")
     name = args.policy or default_policy()
+    store = args.kv_store_capacity_tokens
+    if store is not None and store < args.block_size:
+        return _error(f"--kv-store-capacity-tokens must hold at least one block ({args.block_size} tokens)")
+    if store is not None and name in CEILING_NAMES:
+        return _error("the ceiling is an infinite pool: a store tier adds nothing to it")
     if name in CEILING_NAMES:
         res = ceiling(reqs, args.block_size)
         res.policy = "ceiling"
     elif name != "min" and name not in POLICIES:
         return _error(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, min, ceiling")
     else:
-        res = replay(reqs, args.capacity_tokens, name, args.block_size, args.admission_tail_tokens)
+        res = replay(reqs, args.capacity_tokens, name, args.block_size, args.admission_tail_tokens,
+                     kv_store_capacity_tokens=store)
     out = res.to_json()
     if name in CEILING_NAMES:
         out["capacity_tokens"] = args.capacity_tokens
@@ -100,10 +111,16 @@ def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
               f"block hit ratio {out['block_hit_ratio']:.4f}, token hit ratio "
               f"{out['token_hit_ratio']:.4f}, evictions {out['evictions']:,}, "
               f"requests with zero hits {out['zero_hit_requests']:,}/{out['requests']:,}")
+        if store is not None:
+            by = out["block_hit_ratio_by_tier"]
+            print(f"  + store of {store:,} tokens: block hit ratio pool {by['pool']:.4f}, "
+                  f"store {by['store']:.4f}; store evictions {out['kv_store']['evictions']:,}")
     return 0
 
 
 def _run_sweep(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
+    if args.kv_store_capacity_tokens is not None:
+        return _error("--kv-store-capacity-tokens replays one capacity; it does not combine with --sweep")
     names = [x for x in (args.policy or "").split(",") if x] or sorted({"lru", default_policy()})
     names = [n for n in names if n not in ("min", "ceiling")]
     for n in names:

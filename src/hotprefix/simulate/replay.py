@@ -2,9 +2,10 @@
 ceiling.
 
 Each request goes through the same ``KVCacheManager`` / ``BlockPool`` / eviction policy the engine
-uses (lookup -> allocate -> commit -> free) at a given pool capacity; ``SimResult`` counts block
-and token hits, evictions and the requests that hit nothing. Knows nothing about trace files
-(``traces``), sweeps or the command line.
+uses (lookup -> allocate -> commit -> free) at a given pool capacity, with its tokens (real or
+synthetic, ``traces``) hashed by the manager as a live request's are; optionally a simulated store
+tier below the pool (``tier``). ``SimResult`` counts block and token hits (by tier), evictions and
+the requests that hit nothing. Knows nothing about trace files, sweeps or the command line.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any, Sequence
 
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.eviction import EvictionPolicy, make_policy
-from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.hashing import BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.config import CacheConfig
 from hotprefix.simulate.min_policy import MinPolicy, next_uses
-from hotprefix.simulate.traces import SIM_NAMESPACE, TraceRequest, lookup_limit, request_keys
+from hotprefix.simulate.tier import TIER_NAME, StoreTier
+from hotprefix.simulate.traces import TraceRequest, lookup_limit, request_keys, sim_hasher
 
 
 @dataclass
@@ -39,7 +41,9 @@ class SimResult:
     prompt_blocks: int = 0
     """Full prompt blocks over all requests."""
     hit_blocks: int = 0
-    """Prompt blocks served from cache."""
+    """Prompt blocks served from cache (the pool and the store tier)."""
+    store_hit_blocks: int = 0
+    """Of ``hit_blocks``: those the store tier served (pool misses it held)."""
     prompt_tokens: int = 0
     """Prompt tokens over all requests."""
     hit_tokens: int = 0
@@ -55,7 +59,9 @@ class SimResult:
     seconds: float = 0.0
     """Wall time of the replay."""
     per_request_hits: list[int] = field(default_factory=list)
-    """Hit blocks of each request (filled with ``keep_per_request``)."""
+    """Hit blocks of each request, all tiers (filled with ``keep_per_request``)."""
+    store: StoreTier | None = None
+    """The simulated store tier below the pool, or None."""
 
     @property
     def block_hit_ratio(self) -> float:
@@ -65,17 +71,28 @@ class SimResult:
     def token_hit_ratio(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def add_request(self, r: TraceRequest, hit_blocks: int) -> None:
-        """Count one replayed request that hit its first ``hit_blocks`` blocks."""
+    def add_request(self, r: TraceRequest, hit_blocks: int, store_hit_blocks: int = 0) -> None:
+        """Count one replayed request that hit its first ``hit_blocks`` blocks, of which the last
+        ``store_hit_blocks`` came from the store tier."""
         self.num_requests += 1
         self.prompt_blocks += r.num_prompt_tokens // self.block_size
         self.hit_blocks += hit_blocks
+        self.store_hit_blocks += store_hit_blocks
         self.prompt_tokens += r.num_prompt_tokens
         self.hit_tokens += hit_blocks * self.block_size
         self.zero_hit_requests += hit_blocks == 0
 
+    def by_tier(self) -> dict[str, int]:
+        """Hit blocks by where they came from: ``pool``, and ``store`` when there is one."""
+        out = {"pool": self.hit_blocks - self.store_hit_blocks}
+        if self.store is not None:
+            out[TIER_NAME] = self.store_hit_blocks
+        return out
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        tiers = self.by_tier()
+        bs = self.block_size
+        out = {
             "policy": self.policy, "capacity_tokens": self.capacity_tokens,
             "block_size": self.block_size, "num_blocks": self.capacity_tokens // self.block_size,
             "block_hit_ratio": round(self.block_hit_ratio, 6),
@@ -86,7 +103,18 @@ class SimResult:
             "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
             "evictions": self.evictions, "written_blocks": self.written_blocks,
             "truncated_requests": self.truncated_requests, "seconds": round(self.seconds, 3),
+            "hit_blocks_by_tier": tiers,
+            "hit_tokens_by_tier": {k: n * bs for k, n in tiers.items()},
+            "block_hit_ratio_by_tier": {k: round(n / max(1, self.prompt_blocks), 6)
+                                        for k, n in tiers.items()},
+            "token_hit_ratio_by_tier": {k: round(n * bs / max(1, self.prompt_tokens), 6)
+                                        for k, n in tiers.items()},
         }
+        if self.store is not None:
+            s = self.store
+            out["kv_store"] = {"capacity_tokens": s.capacity_tokens, "num_blocks": s.num_blocks,
+                               "written_blocks": s.written_blocks, "evictions": s.evictions}
+        return out
 
 
 class _Clock:
@@ -107,12 +135,18 @@ def default_policy() -> str:
 def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | None = None,
            block_size: int = CacheConfig.block_size, admission_tail_tokens: int | None = None,
            max_pinned_fraction: float = 0.5, keep_per_request: bool = False,
-           keys: Sequence[Sequence[BlockKey]] | None = None) -> SimResult:
+           keys: Sequence[Sequence[BlockKey]] | None = None,
+           kv_store_capacity_tokens: int | None = None) -> SimResult:
     """Replay ``reqs`` one at a time through a real ``KVCacheManager`` of ``capacity_tokens``.
+
+    Every request carries its tokens (synthetic for traces of ids); the manager hashes them, or
+    takes the prompt's keys from ``keys`` when given (the same hasher's keys of the same tokens).
 
     Args:
         policy: a name in the engine's ``POLICIES``, or ``min`` (Belady); None = the engine default.
-        keys: precomputed ``request_keys`` (only needed by ``min``; computed if omitted).
+        keys: precomputed ``request_keys`` (needed by ``min``, computed if omitted; saves hashing).
+        kv_store_capacity_tokens: a simulated store tier of this many tokens below the pool
+            (``tier.StoreTier``): written through, serves the pool's misses it holds.
     Returns:
         the measured ``SimResult`` (``per_request_hits`` filled when ``keep_per_request``).
     """
@@ -135,33 +169,49 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
                      max_pinned_fraction=max_pinned_fraction, clock=clock)
     if min_pol is not None:
         min_pol.index = pool.index
-    mgr = KVCacheManager(pool, BlockHasher(SIM_NAMESPACE, block_size, "sha256"), True,
-                         ledger=ContentLedger(max_entries=1), admission_tail_tokens=admission_tail_tokens)
-    res = SimResult(policy, capacity_tokens, block_size)
+    # max_depth=0: no content records (the ledger serves miss reports, which a replay never asks)
+    mgr = KVCacheManager(pool, sim_hasher(block_size), True,
+                         ledger=ContentLedger(max_entries=1, max_depth=0),
+                         admission_tail_tokens=admission_tail_tokens)
+    store = StoreTier(kv_store_capacity_tokens, block_size) if kv_store_capacity_tokens else None
+    res = SimResult(policy, capacity_tokens, block_size, store=store)
     t0 = time.perf_counter()
     bs = block_size
     for i, r in enumerate(reqs):
         clock.t = r.timestamp
-        given = r.block_keys is not None
-        creq = CacheRequest(str(i), r.token_ids if not given else [], r.num_prompt_tokens,
+        tokens = r.tokens(bs)
+        n_prompt = r.num_prompt_tokens
+        # at admission the request holds its prompt; the computed output joins it before commit
+        creq = CacheRequest(str(i), tokens[:n_prompt] if len(tokens) > n_prompt else tokens, n_prompt,
                             cache_write=r.cache_write, priority=r.priority, pin_ttl_s=r.pin_ttl_s,
-                            block_keys=list(r.block_keys) if given else [], keys_given=given)
+                            block_keys=list(keys[i][:n_prompt // bs]) if keys is not None else [])
         if min_pol is not None:
             min_pol.begin(keys[i], nu[i])  # type: ignore[index]
         hits = mgr.lookup(creq)
         h = len(hits)
+        s = 0
+        if store is not None:  # the pool's miss, looked up in the store: its run is loaded
+            prompt_keys = mgr.keys(creq)
+            s = store.serve(prompt_keys, h, lookup_limit(r, len(prompt_keys), bs))
         n_tokens = r.num_tokens
         free = mgr.num_free_after(hits)
         if math.ceil(n_tokens / bs) - h > free:  # larger than the pool: write what fits
             n_tokens = (h + free) * bs
             res.truncated_requests += 1
+            s = min(s, n_tokens // bs - h)
         if not mgr.allocate(creq, n_tokens - h * bs, h * bs, hits):
             raise RuntimeError(f"request {i}: the pool refused {n_tokens} tokens")
-        mgr.commit(creq, n_tokens)
+        if len(creq.token_ids) < len(tokens):
+            creq.token_ids.extend(tokens[len(creq.token_ids):])
+        mgr.commit(creq, n_tokens)  # blocks loaded from the store are cached like computed ones
+        if store is not None:  # write-through of every block the pool cached now
+            blocks = pool.blocks
+            store.write([k for b in mgr.block_table(creq.request_id)[h:]
+                         if (k := blocks[b].key) is not None])
         mgr.free(creq)
-        res.add_request(r, h)
+        res.add_request(r, h + s, s)
         if keep_per_request:
-            res.per_request_hits.append(h)
+            res.per_request_hits.append(h + s)
     res.evictions = pool.num_evictions
     res.written_blocks = mgr.stats.written_blocks
     res.seconds = time.perf_counter() - t0

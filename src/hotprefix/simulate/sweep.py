@@ -56,7 +56,7 @@ def sweep(reqs: Sequence[TraceRequest], block_size: int, policies: Sequence[str]
             ratios = [hits_at(hist, c // block_size) / max(1, ceil.prompt_blocks) for c in caps]
             out["method"][name] = "stack-distance (one pass)"
             mid = len(caps) // 2
-            check = replay(reqs, caps[mid], "lru", block_size)
+            check = replay(reqs, caps[mid], "lru", block_size, keys=keys)
             out["stack_check"] = {"capacity_tokens": caps[mid], "stack": round(ratios[mid], 6),
                                   "replay": round(check.block_hit_ratio, 6)}
             # hits are whole blocks: the token ratio differs from the block ratio only by rounding
