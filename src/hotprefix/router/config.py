@@ -33,7 +33,7 @@ class RouterConfig:
     """How long the router trusts its own past decisions (block -> replica it sent the block to)
     where no KV event says otherwise; also the life of a ``prompt_cache_key`` affinity."""
     max_remembered_blocks: int = 4_000_000
-    """Most block keys remembered from past decisions (the oldest go first)."""
+    """Most (block key, replica) pairs remembered from past decisions (the oldest go first)."""
     max_affinity_keys: int = 100_000
     """Most ``prompt_cache_key`` values remembered."""
     seed: int = 0

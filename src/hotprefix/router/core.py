@@ -76,11 +76,12 @@ class Router:
         self.load: dict[str, float] = {}
         """Replica -> running and waiting tokens (``set_load``, plus what ``route`` assigns)."""
         self.index = BlockIndex()
-        self.memory: TtlMap[BlockKey, str] = TtlMap(self.config.decision_ttl_s,
-                                                     self.config.max_remembered_blocks)
+        self.memory: TtlMap[tuple[BlockKey, str], bool] = TtlMap(self.config.decision_ttl_s,
+                                                                  self.config.max_remembered_blocks)
+        """(block key, replica) for every block the router sent to a replica, until ``decision_ttl_s``."""
         self.affinity: TtlMap[str, str] = TtlMap(self.config.decision_ttl_s,
                                                  self.config.max_affinity_keys)
-        self.index.listeners.append(lambda r, k: self.memory.discard(k, r))  # events win
+        self.index.listeners.append(lambda r, k: self.memory.discard((k, r)))  # events win
         self._rng = random.Random(self.config.seed)
         self._rr = itertools.count()
         for r in replicas:
@@ -98,8 +99,8 @@ class Router:
             self.replicas.remove(name)
             del self.load[name]
             self.index.forget(name)
-            self.memory.discard_value(name)
-            self.affinity.discard_value(name)
+            self.memory.discard_if(lambda key, _: key[1] == name)
+            self.affinity.discard_if(lambda _, r: r == name)
 
     def apply_events(self, replica: str, events: Sequence[Any]) -> None:
         """One decoded ``KVEventBatch``'s events from ``replica``."""
@@ -122,14 +123,16 @@ class Router:
         """Route a prompt given as token ids (keys computed as the replicas compute them)."""
         if self.hasher is None:
             raise ValueError("route_tokens needs the router's BlockHasher (the replicas' namespace)")
-        n = cacheable_blocks(len(token_ids), self.block_size)
+        n = len(token_ids) // self.block_size
         keys = self.hasher.keys(token_ids[:n * self.block_size], salt, salt_from_block)
         return self.route(keys, len(token_ids), prompt_cache_key)
 
     def route(self, keys: Sequence[BlockKey], num_tokens: int,
               prompt_cache_key: str | None = None) -> Decision:
-        """Pick a replica for a prompt of ``num_tokens`` tokens whose cacheable full blocks have
-        ``keys``, remember the decision, and add its prefill tokens to that replica's load.
+        """Pick a replica for a prompt of ``num_tokens`` tokens whose full blocks have ``keys``,
+        remember the decision (the replica will cache every one of those blocks), and add its
+        prefill tokens to that replica's load. Only blocks a replica may serve from cache count
+        (never the last prompt token's).
 
         Raises:
             RuntimeError: no replica.
@@ -144,11 +147,12 @@ class Router:
             d = Decision(min(self.replicas, key=self.load.__getitem__), "least_loaded",
                          prefill_tokens=num_tokens)
         else:
-            d = self._route_prefix(keys, num_tokens, prompt_cache_key)
+            d = self._route_prefix(keys[:cacheable_blocks(num_tokens, self.block_size)], num_tokens,
+                                   prompt_cache_key)
         self.load[d.replica] += d.prefill_tokens
         now = self.clock()
         for k in keys:
-            self.memory.set(k, d.replica, now)
+            self.memory.set((k, d.replica), True, now)
         if prompt_cache_key is not None:
             self.affinity.set(prompt_cache_key, d.replica, now)
         return d
@@ -166,7 +170,8 @@ class Router:
         bs = self.block_size
         now = self.clock()
         over = self.overloaded()
-        runs = self.index.runs(keys, self.replicas, lambda r, k: self.memory.get(k, now) == r)
+        memory = self.memory
+        runs = self.index.runs(keys, self.replicas, lambda r, k: memory.get((k, r), now) is not None)
 
         def decision(r: str, reason: str) -> Decision:
             pool, tier = runs[r]

@@ -1,7 +1,8 @@
 """A bounded map with a time to live: the router's memory of its own decisions.
 
-Used twice by the router: block key -> the replica it last sent that block to (the fallback that
-gives affinity when KV events are off, late or dropped), and ``prompt_cache_key`` -> replica.
+Used twice by the router: (block key, replica) for every block it sent to a replica (the fallback
+that gives affinity when KV events are off, late or dropped: a block shared by many conversations
+is remembered for every replica it went to), and ``prompt_cache_key`` -> replica.
 The oldest entries go first when it is full; an entry older than ``ttl_s`` reads as absent.
 Imports no torch.
 """
@@ -9,7 +10,7 @@ Imports no torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -49,7 +50,7 @@ class TtlMap(Generic[K, V]):
         if hit is not None and (value is None or hit[0] == value):
             del self._d[key]
 
-    def discard_value(self, value: V) -> None:
-        """Drop every entry that maps to ``value`` (a replica that left)."""
-        for k in [k for k, (v, _) in self._d.items() if v == value]:
+    def discard_if(self, pred: Callable[[K, V], bool]) -> None:
+        """Drop every entry for which ``pred(key, value)`` holds (e.g. those of a replica that left)."""
+        for k in [k for k, (v, _) in self._d.items() if pred(k, v)]:
             del self._d[k]
