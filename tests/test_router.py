@@ -279,3 +279,18 @@ def test_config_is_checked():
         RouterConfig(overload_ratio=0.5)
     with pytest.raises(RuntimeError):
         Router([], BS).route([], 10)
+
+
+def test_a_prefix_many_prompts_continue_is_shared_and_gives_no_affinity():
+    fleet = Fleet(4, RouterConfig(shared_prefix_fanout=3))
+    rng = random.Random(11)
+    system = rand_tokens(rng, 4 * BS)
+    picks = [fleet.send(system + rand_tokens(rng, 3 * BS))[0] for _ in range(30)]  # a quiet fleet
+    assert picks[1].reason == "prefix"  # one other prompt has continued the system prompt so far
+    assert all(d.reason == "least_loaded" for d in picks[3:])  # now it is a shared prefix
+    assert len({d.replica for d in picks}) == 4
+    # a conversation that goes on past the shared prefix still finds its replica
+    turn = system + rand_tokens(rng, 3 * BS)
+    home = fleet.send(turn)[0].replica
+    d, hits = fleet.send(turn + rand_tokens(rng, 2 * BS))
+    assert d.replica == home and d.reason == "prefix" and hits == 7

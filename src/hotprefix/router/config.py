@@ -22,6 +22,12 @@ class RouterConfig:
     tier_weight: float = 0.25
     """A block the replica can load from a KV tier (its own, or a shared one) costs this fraction
     of prefilling it."""
+    shared_prefix_fanout: int = 16
+    """A block that this many different next blocks have followed (in prompts routed within
+    ``decision_ttl_s``) ends a *shared* prefix, such as a system prompt: holding it tells no
+    replica apart, since every replica soon holds it too. A request that matches nothing beyond
+    such a prefix (and beyond what every replica holds) is a miss for routing: power of two choices
+    on load, so the new conversations of a quiet fleet do not all pile onto the first replica."""
     overload_ratio: float = 1.5
     """A replica whose load exceeds ``overload_ratio`` x the fleet's mean load (plus
     ``overload_slack_tokens``) gets no request for its cached prefix or affinity key: affinity
@@ -46,3 +52,5 @@ class RouterConfig:
             raise ValueError(f"overload_ratio must be >= 1, got {self.overload_ratio}")
         if self.prefill_weight < 0 or not 0 <= self.tier_weight <= 1:
             raise ValueError("prefill_weight must be >= 0 and tier_weight in [0, 1]")
+        if self.shared_prefix_fanout < 2:
+            raise ValueError(f"shared_prefix_fanout must be >= 2, got {self.shared_prefix_fanout}")

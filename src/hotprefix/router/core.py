@@ -14,9 +14,10 @@ replica.
 
   * A replica loaded past ``overload_ratio`` x the mean load (+ slack) is not chosen for its
     prefix: affinity yields to load there (``reason="overloaded"`` when it would have won).
-  * When no replica holds more of the prompt than the others (nothing matches, or only a prefix
-    everyone has), the pick is the less loaded of two drawn at random (power of two choices):
-    never "the smallest tree", never the same replica for every miss.
+  * When no replica holds more of the prompt than the others, beyond a *shared* prefix (one that
+    ``shared_prefix_fanout`` different prompts continued, e.g. a system prompt), the request is a
+    miss for routing: the less loaded of two replicas drawn at random (power of two choices).
+    Never "the smallest tree", never the same replica for every miss.
   * OpenAI's ``prompt_cache_key``: the same key goes to the same replica while it is not overloaded.
 
 The router computes a request's block keys as the replicas do (``BlockHasher`` with the model +
@@ -81,6 +82,9 @@ class Router:
         """(block key, replica) for every block the router sent to a replica, until ``decision_ttl_s``."""
         self.affinity: TtlMap[str, str] = TtlMap(self.config.decision_ttl_s,
                                                  self.config.max_affinity_keys)
+        self.fanout: TtlMap[BlockKey, tuple[BlockKey, int]] = TtlMap(
+            self.config.decision_ttl_s, self.config.max_remembered_blocks)
+        """Block key -> (the last next block seen after it, how often that next block changed)."""
         self.index.listeners.append(lambda r, k: self.memory.discard((k, r)))  # events win
         self._rng = random.Random(self.config.seed)
         self._rr = itertools.count()
@@ -147,8 +151,9 @@ class Router:
             d = Decision(min(self.replicas, key=self.load.__getitem__), "least_loaded",
                          prefill_tokens=num_tokens)
         else:
+            shared = self._shared_depth(keys)
             d = self._route_prefix(keys[:cacheable_blocks(num_tokens, self.block_size)], num_tokens,
-                                   prompt_cache_key)
+                                   prompt_cache_key, shared)
         self.load[d.replica] += d.prefill_tokens
         now = self.clock()
         for k in keys:
@@ -164,8 +169,24 @@ class Router:
         limit = cfg.overload_ratio * mean + cfg.overload_slack_tokens
         return {r for r, x in self.load.items() if x > limit}
 
+    def _shared_depth(self, keys: Sequence[BlockKey]) -> int:
+        """Record which block follows which in this prompt; return how many leading blocks end at
+        the deepest shared-prefix block (one followed by ``shared_prefix_fanout`` different ones)."""
+        now = self.clock()
+        fan = self.fanout
+        limit = self.config.shared_prefix_fanout - 1
+        depth = 0
+        for i in range(len(keys) - 1):
+            k, nxt = keys[i], keys[i + 1]
+            seen = fan.get(k, now)
+            changes = 0 if seen is None else seen[1] + (seen[0] != nxt)
+            fan.set(k, (nxt, changes), now)
+            if changes >= limit:
+                depth = i + 1
+        return depth
+
     def _route_prefix(self, keys: Sequence[BlockKey], num_tokens: int,
-                      prompt_cache_key: str | None) -> Decision:
+                      prompt_cache_key: str | None, shared: int = 0) -> Decision:
         cfg = self.config
         bs = self.block_size
         now = self.clock()
@@ -184,7 +205,8 @@ class Router:
             if r is not None and r in self.load and r not in over:
                 return decision(r, "prompt_cache_key")
         ok = [r for r in self.replicas if r not in over] or list(self.replicas)
-        if len({runs[r] for r in self.replicas}) == 1:  # nothing tells the replicas apart
+        saved = [pool + (1 - cfg.tier_weight) * tier for pool, tier in runs.values()]
+        if max(saved) <= max(min(saved), shared):  # nothing tells the replicas apart
             return decision(self._two_choices(ok), "least_loaded")
         scored = {r: decision(r, "prefix") for r in self.replicas}
         best = min(self.replicas, key=lambda r: scored[r].cost)
