@@ -9,6 +9,7 @@ deepest block) and the infinite-cache ceiling. ``--sweep`` draws the miss-ratio 
 capacity, one line per policy plus MIN and the ceiling) and prints the smallest ``kv_cache_memory``
 that reaches a share of the ceiling. ``--kv-store-capacity-tokens`` adds a simulated store tier
 below the pool (written through, serves the pool's misses it holds) and reports hits by tier.
+``--replicas R --router P`` replays through R caches behind the routing core (``fleet_cli``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from hotprefix.cache.eviction import POLICIES
 from hotprefix.config import CacheConfig
 from hotprefix.model.metadata import ModelLoadError, kv_bytes_per_token
-from hotprefix.simulate import traces
+from hotprefix.simulate import fleet_cli, traces
 from hotprefix.simulate.plot import plot_mrc
 from hotprefix.simulate.replay import ceiling, default_policy, replay
 from hotprefix.simulate.sizing import format_bytes, smallest_capacity
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype-bytes", type=int, default=4, help="--sweep: bytes per KV element (4 = fp32)")
     p.add_argument("--bytes-per-token", type=int, default=None,
                    help="--sweep: KV bytes per token (skips reading the model's metadata)")
+    fleet_cli.add_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         reqs = traces.load_trace(args.trace, args.block_size, args.limit)
     except (OSError, ValueError, KeyError) as e:
         return _error(str(e))
+    if args.replicas is not None:
+        return fleet_cli.run(args, reqs)
     return _run_sweep(args, reqs) if args.sweep else _run_one(args, reqs)
 
 

@@ -1,0 +1,231 @@
+"""Replay a trace through a fleet: R copies of the real prefix cache behind the real routing core.
+
+Every replica is the engine's own ``KVCacheManager`` / ``BlockPool`` / eviction policy, as in
+``replay``; every request is routed by ``hotprefix.router.Router`` (``prefix``, ``round_robin`` or
+``least_loaded``) and then served by its replica: lookup -> allocate -> commit -> free. With the
+``prefix`` router each replica's pool has the KV events recorder (``hotprefix.events.recorder``)
+attached, and its events reach the router right after the request, minus a random
+``drop_events`` share of them (each event dropped on its own): the router then relies on what it
+remembers of its own decisions.
+
+Load is a fluid queue per replica: a request adds the tokens the replica computes for it (prompt
+minus hit), and each replica works them off at ``tokens_per_s`` between arrivals (the trace's
+timestamps). The router sees that outstanding work as the replica's load (running + waiting
+tokens). Output tokens are not in the load (a trace of block ids does not carry them all).
+
+Knows nothing about trace files or the command line. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from hotprefix.cache.block_pool import BlockPool
+from hotprefix.cache.eviction import make_policy
+from hotprefix.cache.ledger import ContentLedger
+from hotprefix.cache.manager import CacheRequest, KVCacheManager
+from hotprefix.config import CacheConfig
+from hotprefix.events.recorder import PoolEventRecorder
+from hotprefix.router import Router, RouterConfig
+from hotprefix.simulate.traces import TraceRequest, sim_hasher
+
+TARGET_UTILIZATION = 0.8
+"""Default speed of a replica: the fleet would be this busy if nothing hit the cache."""
+
+
+@dataclass
+class ReplicaFigures:
+    """One replica's share of the replay."""
+
+    requests: int = 0
+    computed_tokens: int = 0
+    """Prompt tokens it computed (not served from its cache)."""
+    hit_tokens: int = 0
+    """Prompt tokens served from its cache."""
+
+
+@dataclass
+class FleetResult:
+    """What one fleet replay measured."""
+
+    router: str
+    replicas: int
+    capacity_tokens: int
+    """Pool capacity of each replica."""
+    block_size: int
+    policy: str
+    drop_events: float = 0.0
+    tokens_per_s: float = 0.0
+    num_requests: int = 0
+    prompt_blocks: int = 0
+    hit_blocks: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    events_sent: int = 0
+    events_dropped: int = 0
+    seconds: float = 0.0
+    per_replica: list[ReplicaFigures] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Router decisions by reason (``prefix``, ``least_loaded``, ``overloaded``...)."""
+    max_load_tokens: float = 0.0
+    """Largest outstanding work any replica had at an arrival."""
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def load_imbalance(self) -> float:
+        """Max / mean computed tokens over the replicas (1.0 = perfectly even)."""
+        comp = [p.computed_tokens for p in self.per_replica]
+        mean = sum(comp) / len(comp) if comp else 0.0
+        return max(comp) / mean if mean else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router": self.router, "replicas": self.replicas, "policy": self.policy,
+            "capacity_tokens": self.capacity_tokens, "block_size": self.block_size,
+            "block_hit_ratio": round(self.block_hit_ratio, 6),
+            "token_hit_ratio": round(self.hit_tokens / max(1, self.prompt_tokens), 6),
+            "load_imbalance": round(self.load_imbalance, 4),
+            "per_replica": [vars(p).copy() for p in self.per_replica],
+            "requests": self.num_requests, "prompt_blocks": self.prompt_blocks,
+            "hit_blocks": self.hit_blocks, "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens, "evictions": self.evictions,
+            "drop_events": self.drop_events, "events_sent": self.events_sent,
+            "events_dropped": self.events_dropped, "decisions": dict(sorted(self.reasons.items())),
+            "tokens_per_s": round(self.tokens_per_s, 1), "max_load_tokens": round(self.max_load_tokens),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class _Replica:
+    mgr: KVCacheManager
+    recorder: PoolEventRecorder | None
+    work: float = 0.0  # tokens still to compute
+    figures: ReplicaFigures = field(default_factory=ReplicaFigures)
+
+
+def default_tokens_per_s(reqs: Sequence[TraceRequest], replicas: int) -> float:
+    """A replica's speed at which the fleet would be ``TARGET_UTILIZATION`` busy with no hits
+    (requests one second apart when the trace has no time span)."""
+    span = reqs[-1].timestamp - reqs[0].timestamp if reqs else 0.0
+    if span <= 0:
+        span = float(len(reqs))
+    total = sum(r.num_prompt_tokens for r in reqs)
+    return max(1.0, total / span / replicas / TARGET_UTILIZATION)
+
+
+def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: int,
+                 router: str = "prefix", policy: str | None = None,
+                 block_size: int = CacheConfig.block_size, drop_events: float = 0.0,
+                 tokens_per_s: float | None = None, router_config: RouterConfig | None = None,
+                 seed: int = 0) -> FleetResult:
+    """Replay ``reqs`` through ``replicas`` caches of ``capacity_tokens`` each, routed by ``router``.
+
+    Args:
+        policy: the replicas' eviction policy; None = the engine's default.
+        drop_events: share of KV events lost on their way to the router (``prefix`` only).
+        tokens_per_s: a replica's prefill speed (the load model); None = ``default_tokens_per_s``.
+        router_config: the router's settings (its ``policy`` is replaced by ``router``).
+    Raises:
+        ValueError: fewer than one replica, or a capacity below one block.
+    """
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    policy = policy or CacheConfig.eviction_policy
+    bs = block_size
+    num_blocks = capacity_tokens // bs
+    if num_blocks < 1:
+        raise ValueError(f"capacity {capacity_tokens} tokens is less than one block of {bs}")
+    rate = tokens_per_s or default_tokens_per_s(reqs, replicas)
+    clock = _Clock()
+    names = [f"replica-{i}" for i in range(replicas)]
+    cfg = RouterConfig(**{**vars(router_config or RouterConfig()), "policy": router})
+    rt = Router(names, bs, cfg, clock=clock)
+    hasher = sim_hasher(bs)
+    fleet: dict[str, _Replica] = {}
+    for name in names:
+        pool = BlockPool(num_blocks, bs, make_policy(policy, num_blocks), ghost_size=0, clock=clock)
+        mgr = KVCacheManager(pool, hasher, True, ledger=ContentLedger(max_entries=1, max_depth=0))
+        rec = PoolEventRecorder(pool) if router == "prefix" else None
+        fleet[name] = _Replica(mgr, rec)
+    res = FleetResult(router, replicas, capacity_tokens, bs, policy, drop_events, rate)
+    rng = random.Random(seed)
+    reasons: dict[str, int] = {}
+    t0 = time.perf_counter()
+    last_t = reqs[0].timestamp if reqs else 0.0
+    for i, r in enumerate(reqs):
+        t = r.timestamp if r.timestamp > last_t else last_t
+        for name, rep in fleet.items():  # work done since the previous arrival
+            rep.work = max(0.0, rep.work - rate * (t - last_t))
+            rt.set_load(name, rep.work)
+            res.max_load_tokens = max(res.max_load_tokens, rep.work)
+        last_t = clock.t = t
+        tokens = r.tokens(bs)
+        n_prompt = r.num_prompt_tokens
+        keys = hasher.keys(tokens[:(n_prompt // bs) * bs])
+        d = rt.route(keys, n_prompt)
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        rep = fleet[d.replica]
+        h = _serve(rep.mgr, str(i), r, tokens, keys, bs)
+        computed = n_prompt - h * bs
+        rep.work += computed
+        f = rep.figures
+        f.requests += 1
+        f.computed_tokens += computed
+        f.hit_tokens += h * bs
+        res.num_requests += 1
+        res.prompt_blocks += n_prompt // bs
+        res.hit_blocks += h
+        res.prompt_tokens += n_prompt
+        res.hit_tokens += h * bs
+        if rep.recorder is not None:
+            events = rep.recorder.drain()
+            res.events_sent += len(events)
+            if drop_events > 0:
+                kept = [e for e in events if rng.random() >= drop_events]
+                res.events_dropped += len(events) - len(kept)
+                events = kept
+            rt.apply_events(d.replica, events)
+    res.per_replica = [fleet[n].figures for n in names]
+    res.evictions = sum(rep.mgr.pool.num_evictions for rep in fleet.values())
+    res.reasons = reasons
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _serve(mgr: KVCacheManager, rid: str, r: TraceRequest, tokens: list[int], keys: list,
+           bs: int) -> int:
+    """One request through one replica's cache, as ``replay`` does it; returns its hit blocks."""
+    n_prompt = r.num_prompt_tokens
+    creq = CacheRequest(rid, tokens[:n_prompt] if len(tokens) > n_prompt else tokens, n_prompt,
+                        cache_write=r.cache_write, priority=r.priority, pin_ttl_s=r.pin_ttl_s,
+                        block_keys=list(keys))
+    hits = mgr.lookup(creq)
+    h = len(hits)
+    n_tokens = r.num_tokens
+    free = mgr.num_free_after(hits)
+    if math.ceil(n_tokens / bs) - h > free:  # larger than the pool: write what fits
+        n_tokens = (h + free) * bs
+    if not mgr.allocate(creq, n_tokens - h * bs, h * bs, hits):
+        raise RuntimeError(f"request {rid}: the pool refused {n_tokens} tokens")
+    if len(creq.token_ids) < len(tokens):
+        creq.token_ids.extend(tokens[len(creq.token_ids):])
+    mgr.commit(creq, n_tokens)
+    mgr.free(creq)
+    return h

@@ -1,0 +1,73 @@
+"""``hotprefix simulate TRACE --replicas R``: the fleet part of the command line.
+
+``--replicas R --router prefix|round_robin|least_loaded --capacity-tokens N`` (N per replica)
+replays the trace through ``fleet.replay_fleet`` and prints the block hit ratio, each replica's
+requests, computed and hit tokens, and the load imbalance (max / mean computed tokens); ``--json``
+prints them as one object with ``block_hit_ratio``, ``per_replica`` and ``load_imbalance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hotprefix.cache.eviction import POLICIES as EVICTION_POLICIES
+from hotprefix.router import POLICIES, RouterConfig
+from hotprefix.simulate.fleet import TARGET_UTILIZATION, replay_fleet
+from hotprefix.simulate.traces import TraceRequest
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The fleet's arguments, on the ``simulate`` parser."""
+    g = p.add_argument_group("fleet", "replay through R replicas behind the routing core")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="number of replicas, each with a pool of --capacity-tokens")
+    g.add_argument("--router", choices=POLICIES, default=RouterConfig.policy,
+                   help=f"routing policy (default: {RouterConfig.policy})")
+    g.add_argument("--drop-events", type=float, default=0.0,
+                   help="share of KV events lost on their way to the prefix router (0..1)")
+    g.add_argument("--tokens-per-second", type=float, default=None,
+                   help="prefill speed of a replica, for its load; default: the fleet would be "
+                        f"{TARGET_UTILIZATION:.0%} busy if nothing hit")
+    g.add_argument("--prefill-weight", type=float, default=RouterConfig.prefill_weight,
+                   help=f"the prefix router's w in w x tokens to prefill + load "
+                        f"(default: {RouterConfig.prefill_weight})")
+
+
+def _error(msg: str) -> int:
+    print(f"hotprefix simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
+    """Run the fleet replay on parsed arguments. Returns the exit status (2: bad usage)."""
+    if args.replicas < 1:
+        return _error("--replicas must be >= 1")
+    if args.capacity_tokens is None:
+        return _error("--capacity-tokens (per replica) is required with --replicas")
+    if args.sweep or getattr(args, "kv_store_capacity_tokens", None) is not None:
+        return _error("--replicas does not combine with --sweep or --kv-store-capacity-tokens")
+    if args.policy is not None and args.policy not in EVICTION_POLICIES:
+        return _error(f"--replicas replays an engine eviction policy: one of "
+                      f"{', '.join(sorted(EVICTION_POLICIES))}")
+    if not 0.0 <= args.drop_events <= 1.0:
+        return _error("--drop-events must be in [0, 1]")
+    if args.capacity_tokens < args.block_size:
+        return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
+    cfg = RouterConfig(policy=args.router, prefill_weight=args.prefill_weight)
+    res = replay_fleet(reqs, args.replicas, args.capacity_tokens, args.router, args.policy,
+                       args.block_size, args.drop_events, args.tokens_per_second, cfg)
+    out = res.to_json()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.router} over {args.replicas} replicas of {args.capacity_tokens:,} tokens "
+          f"({out['policy']}, block {args.block_size}): block hit ratio {out['block_hit_ratio']:.4f}, "
+          f"load imbalance {out['load_imbalance']:.3f}")
+    for i, p in enumerate(out["per_replica"]):
+        print(f"  replica {i}: {p['requests']:,} requests, {p['computed_tokens']:,} computed tokens, "
+              f"{p['hit_tokens']:,} hit tokens")
+    if args.drop_events:
+        print(f"  KV events dropped: {out['events_dropped']:,} of {out['events_sent']:,}")
+    return 0

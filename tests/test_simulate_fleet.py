@@ -1,0 +1,124 @@
+"""The fleet replay (hotprefix simulate --replicas): R copies of the real cache behind the real
+routing core. One replica replays exactly like ``replay``; prefix routing keeps conversations on
+their replica (far above round-robin, load still even), also with KV events dropped or off; the
+command prints the JSON others rely on; none of it imports torch."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hotprefix import simulate as sim
+from hotprefix.router import RouterConfig
+from hotprefix.simulate import TraceRequest
+from hotprefix.simulate.fleet import replay_fleet
+
+BS = 16
+
+
+def conversation_trace(convs: int = 41, turns: int = 4, seed: int = 0) -> list[TraceRequest]:
+    """Conversations (a shared 2-block system prompt, then their own blocks), turns interleaved,
+    one request a second."""
+    rng = random.Random(seed)
+    nid = 1000
+    chains = []
+    for _ in range(convs):
+        chains.append([0, 1] + list(range(nid, nid + rng.randrange(2, 6))))
+        nid += 10
+    reqs = []
+    for t in range(turns):
+        for c in range(convs):
+            if t:
+                chains[c] = chains[c] + list(range(nid, nid + rng.randrange(1, 4)))
+                nid += 10
+            n = len(chains[c]) * BS + 1
+            reqs.append(TraceRequest(n, n, list(chains[c]), timestamp=float(len(reqs))))
+    return reqs
+
+
+def test_one_replica_replays_exactly_like_replay():
+    reqs = conversation_trace(seed=1)
+    for cap in (40 * BS, 400 * BS):
+        one = replay_fleet(reqs, 1, cap, "round_robin", "lru", BS)
+        ref = sim.replay(reqs, cap, "lru", BS)
+        assert (one.hit_blocks, one.prompt_blocks, one.evictions) == (ref.hit_blocks, ref.prompt_blocks,
+                                                                      ref.evictions)
+        assert one.per_replica[0].requests == len(reqs) and one.load_imbalance == 1.0
+
+
+def test_prefix_routing_keeps_conversations_on_their_replica():
+    reqs = conversation_trace()
+    cap = 300 * BS  # each replica holds its share of the conversations
+    rr = replay_fleet(reqs, 4, cap, "round_robin", block_size=BS)
+    ll = replay_fleet(reqs, 4, cap, "least_loaded", block_size=BS)
+    px = replay_fleet(reqs, 4, cap, "prefix", block_size=BS)
+    ceiling = sim.ceiling(reqs, BS).block_hit_ratio
+    assert px.block_hit_ratio >= 0.95 * ceiling
+    assert px.block_hit_ratio >= 2 * rr.block_hit_ratio
+    assert px.block_hit_ratio >= 1.3 * ll.block_hit_ratio
+    # a quiet fleet: the first conversations follow the system prompt to its first replica until
+    # shared_prefix_fanout of them show it is a shared prefix; then new ones spread by load
+    assert px.load_imbalance <= 1.7
+    spread = replay_fleet(reqs, 4, cap, "prefix", block_size=BS,
+                          router_config=RouterConfig(shared_prefix_fanout=4))
+    assert spread.block_hit_ratio >= 0.95 * ceiling and spread.load_imbalance <= 1.25
+    assert sum(p.requests for p in px.per_replica) == len(reqs)
+    assert sum(p.hit_tokens for p in px.per_replica) == px.hit_tokens
+    assert px.reasons.get("prefix", 0) >= 41 * 3  # every later turn followed its prefix
+    assert px.events_sent > 0 and px.events_dropped == 0
+    for drop in (0.1, 1.0):  # events dropped or off: the router's own decisions fill in
+        d = replay_fleet(reqs, 4, cap, "prefix", block_size=BS, drop_events=drop)
+        assert d.block_hit_ratio >= 0.95 * px.block_hit_ratio
+        assert d.events_dropped > 0
+
+
+def _write(path, reqs):
+    with open(path, "w") as f:
+        for r in reqs:
+            f.write(json.dumps({"timestamp": r.timestamp * 1000, "input_length": r.num_prompt_tokens,
+                                "hash_ids": r.block_ids}) + "\n")
+
+
+def test_cli_json_per_replica_and_imbalance(tmp_path, capsys):
+    p = tmp_path / "mc.jsonl"
+    reqs = []
+    for r in conversation_trace(20, 3, seed=2):  # as Mooncake ids (512 tokens each)
+        n = len(r.block_ids) * 512 + 1
+        reqs.append(TraceRequest(n, n, r.block_ids, timestamp=r.timestamp))
+    _write(p, reqs)
+    from hotprefix.cli import main as cli_main
+
+    out = {}
+    for router in ("prefix", "round_robin", "least_loaded"):
+        assert cli_main(["simulate", str(p), "--replicas", "3", "--router", router, "--capacity-tokens",
+                         "100000", "--block-size", "512", "--json"]) == 0
+        out[router] = json.loads(capsys.readouterr().out)
+    for router, o in out.items():
+        assert o["router"] == router and o["replicas"] == 3 and o["capacity_tokens"] == 100000
+        assert len(o["per_replica"]) == 3
+        assert all(set(x) == {"requests", "computed_tokens", "hit_tokens"} for x in o["per_replica"])
+        comp = [x["computed_tokens"] for x in o["per_replica"]]
+        assert o["load_imbalance"] == pytest.approx(max(comp) / (sum(comp) / 3), abs=1e-4)
+        assert 0 <= o["block_hit_ratio"] <= 1
+    assert out["prefix"]["block_hit_ratio"] > out["round_robin"]["block_hit_ratio"]
+    assert cli_main(["simulate", str(p), "--replicas", "2", "--capacity-tokens", "100000",
+                     "--block-size", "512"]) == 0
+    assert "replica 1:" in capsys.readouterr().out
+    for bad in (["--sweep"], ["--policy", "min"], ["--drop-events", "2"], ["--replicas", "0"]):
+        argv = ["simulate", str(p), "--replicas", "2", "--capacity-tokens", "100000",
+                "--block-size", "512", *bad]
+        assert cli_main(argv) == 2
+    assert cli_main(["simulate", str(p), "--replicas", "2", "--block-size", "512"]) == 2
+
+
+def test_the_fleet_router_and_events_recorder_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, hotprefix.simulate.fleet, hotprefix.simulate.fleet_cli, hotprefix.router, "
+            "hotprefix.router.feed, hotprefix.events.recorder, hotprefix.events.publisher\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
