@@ -236,6 +236,7 @@ def test_a_tier_measured_slower_than_compute_is_not_read(tiny_model_dir, tmp_pat
         o = run(llm, p)
         assert o.num_cached_tokens == 0 and o.token_ids == cold(p)
         assert tier(llm, "disk")["fetches_skipped_slow"] == 1
+        link.load_s_per_block, link.compute_s_per_token = 1.0, 1e-4  # the steps above updated both
         assert link.worth_loading(6, BS) is False
         link.load_s_per_block = 1e-6  # measured fast again: read
         assert link.worth_loading(6, BS) is True
