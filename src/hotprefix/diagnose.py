@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotprefix.cache.diagnosis import common_prefix_len
+from hotprefix.textutil import common_prefix_len
 from hotprefix.cache.report import CacheReport, MissReason
 from hotprefix.volatile import find_volatile
 from hotprefix.tokenizer import Tokenizer, TokenizerError

@@ -22,6 +22,7 @@ from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.report import MissReason
 from hotprefix.cache.request import CacheRequest
+from hotprefix.textutil import common_prefix_len
 
 
 class CacheView(Protocol):
@@ -41,15 +42,6 @@ class CacheView(Protocol):
 
 EXCERPT_TOKENS = 24
 CONTEXT_TOKENS = 12
-
-
-def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (token ids, characters)."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def readable(block_depth: int, block_salt: str | None, req: CacheRequest) -> bool:

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.block_pool import BlockPool
-from hotprefix.cache.diagnosis import common_prefix_len, miss_reason
+from hotprefix.cache.diagnosis import miss_reason
 from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.report import CacheReport, MissReason
 from hotprefix.cache.request import CacheRequest
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats, request_figures
+from hotprefix.textutil import common_prefix_len
 
 if TYPE_CHECKING:  # the tiers package (redis, msgspec) loads only when tiers are configured
     from hotprefix.cache.tier_link import TierLink

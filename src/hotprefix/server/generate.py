@@ -179,11 +179,9 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
         inc = bool(body.stream_options and body.stream_options.include_usage)
         return stream_response(stream, chat, rid, created, state.served_name, inc,
                                lambda out: finish(state, out, route, tenant))
-    out = await collect(stream, request)
+    out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
-    if out.finish_reason == "error":
-        raise engine_error(out)
     rep = finish(state, out, route, tenant)
     if chat:
         obj, choice = "chat.completion", {"message": {"role": "assistant", "content": out.text}}
@@ -194,6 +192,14 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
         "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}],
         "usage": P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens),
         "hotprefix": {"cache": rep}}, headers={"x-hotprefix-cache": cache_header(rep)})
+
+
+async def final_output(stream: RequestStream, request: Request) -> RequestOutput | None:
+    """The request's last output; None when the client went away; an engine failure raised."""
+    out = await collect(stream, request)
+    if out is not None and out.finish_reason == "error":
+        raise engine_error(out)
+    return out
 
 
 def check_request(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest) -> None:

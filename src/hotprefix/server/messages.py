@@ -1,7 +1,7 @@
 """``POST /v1/messages``: the Anthropic Messages API, as JSON or as its server-sent events.
 
 The request becomes chat template messages (``anthropic_protocol.conversation``) and goes through
-the same path as the OpenAI routes (``generate.submit``, ``collect``, ``finish``), with its
+the same path as the OpenAI routes (``generate.submit``, ``final_output``, ``finish``), with its
 ``cache_control`` marks as cache hints: each mark pins the prompt's blocks up to it for its TTL.
 Usage is reported Anthropic's way (``input_tokens``, ``cache_read_input_tokens``,
 ``cache_creation_input_tokens``, ``output_tokens``) and the cache report rides along as
@@ -31,10 +31,9 @@ from hotprefix.server import anthropic_protocol as A
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
 from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
-                                       check_model, finish, submit)
+                                       check_model, final_output, finish, submit)
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
-from hotprefix.server.streaming import collect
 from hotprefix.server.tenants import Tenant
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
@@ -157,11 +156,9 @@ async def messages(body: A.MessagesRequest, request: Request,
     stream = await submit(state, ids, params, rid, tenant, None, "messages", hints)
     if body.stream:
         return stream_messages(state, body, stream, rid, tenant)
-    out = await collect(stream, request)
+    out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
-    if out.finish_reason == "error":
-        raise engine_error(out)
     rep = finish(state, out, ROUTE, tenant)
     stop = await matched_stop(state, body, out)
     content = [{"type": "text", "text": out.text}]
