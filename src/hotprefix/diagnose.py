@@ -1,8 +1,8 @@
 """Turns a cache report's token ids into words: excerpts of what was sent vs what the cache holds
 at the point of divergence, and a guess at the cause (timestamp, date, UUID, id, counter...).
 
-Uses the linter's volatile-content detectors, so the runtime report and ``hotprefix lint`` name
-causes the same way. Knows the tokenizer; knows nothing about blocks or tensors.
+Uses the volatile-content detectors of ``hotprefix.volatile`` (shared with ``hotprefix lint``, which
+the runtime never imports), so the runtime report and the linter name causes the same way. Knows the tokenizer; knows nothing about blocks or tensors.
 """
 
 from __future__ import annotations
