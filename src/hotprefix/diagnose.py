@@ -2,7 +2,8 @@
 at the point of divergence, and a guess at the cause (timestamp, date, UUID, id, counter...).
 
 Uses the volatile-content detectors of ``hotprefix.volatile`` (shared with ``hotprefix lint``, which
-the runtime never imports), so the runtime report and the linter name causes the same way. Knows the tokenizer; knows nothing about blocks or tensors.
+the runtime never imports), so the runtime report and the linter name causes the same way.
+Knows the tokenizer; knows nothing about blocks or tensors.
 """
 
 from __future__ import annotations
