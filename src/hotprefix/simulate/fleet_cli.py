@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of KV events lost on their way to the prefix router (0..1)")
     g.add_argument("--tokens-per-second", type=float, default=None,
                    help="prefill speed of a replica, for its load; default: the fleet would be "
-                        f"{TARGET_UTILIZATION:.0%} busy if nothing hit")
+                        f"{TARGET_UTILIZATION * 100:.0f}%% busy if nothing hit")
     g.add_argument("--prefill-weight", type=float, default=RouterConfig.prefill_weight,
                    help=f"the prefix router's w in w x tokens to prefill + load "
                         f"(default: {RouterConfig.prefill_weight})")
