@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -151,6 +151,15 @@ class TierLink:
         st.fetch = None
         self.timeouts += 1
         return False
+
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until one of the fetches in flight ends (or ``timeout_s``); False if none runs."""
+        futures = [st.fetch.future for st in self._state.values()
+                   if st.fetch is not None and not st.fetch.future.done()]
+        if not futures:
+            return False
+        wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return True
 
     def install(self, m: PoolOwner, req: CacheRequest) -> None:
         """Copy a finished fetch's run into fresh pool blocks (once); a failed fetch is ignored."""

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
 IDLE_WAIT_S = 0.002
+TIER_WAIT_S = 0.05
+"""Longest wait, in a step that scheduled nothing, for one of the tier fetches in flight."""
 """Pause of a step that scheduled nothing while requests wait (e.g. on their KV tier reads)."""
 ALL_TENANTS = object()
 """``cache_stats()`` without a tenant: the operator's view of every tenant."""
@@ -182,7 +184,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         tables = {c.request.request_id: self.cache.block_table(c.request.request_id) for c in sched.chunks}
         if not sched.chunks and self.scheduler.waiting:
-            time.sleep(IDLE_WAIT_S)  # waiting on tier reads (or a full pool): do not spin
+            # waiting on tier reads (or a full pool): sleep until a fetch ends, without spinning
+            # (a busy loop here would hold the GIL the fetch threads need)
+            if self.cache.tiers is None or not self.cache.tiers.wait_any(TIER_WAIT_S):
+                time.sleep(IDLE_WAIT_S)
         t0 = time.monotonic()
         sampled = self.runner.run(sched.chunks, tables)
         if self.cache.tiers is not None:
