@@ -226,8 +226,10 @@ class BlockPool:
         b.priority = 0
 
     def reset(self) -> tuple[int, int]:
-        """Drop every free cached block. Returns (dropped, left_in_use)."""
+        """Drop every free cached block and the memory of evicted keys (after a reset a miss is
+        ``cold``, not ``evicted``). Returns (dropped, left_in_use)."""
         dropped = 0
+        self.ghosts.clear()
         listeners, self.listeners = self.listeners, []  # one on_cleared, not one removal per block
         for b in list(self.index.values()):
             if b.ref_cnt == 0:

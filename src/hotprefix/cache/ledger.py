@@ -93,6 +93,7 @@ class ContentLedger:
         self._entries: OrderedDict[bytes, set[str]] = OrderedDict()
         self._scopes: OrderedDict[bytes, set[bytes]] = OrderedDict()  # operator-only, in memory
         self._buffer: list[str] = []
+        self._tags: dict[str | None, bytes] = {}
         self._next_try = 0.0
         self._maybe_torn = False
         self.write_failures = 0
@@ -112,8 +113,14 @@ class ContentLedger:
         return hmac.new(self._secret, b"content\0" + content, hashlib.sha256).digest()[:16]
 
     def _scope_tag(self, scope: str | None) -> bytes:
-        return hmac.new(self._secret, b"tag\0" + (scope or "").encode("utf-8", "surrogatepass"),
-                        hashlib.sha256).digest()[:8]
+        tag = self._tags.get(scope)  # the same for every block of a tenant: computed once
+        if tag is None:
+            if len(self._tags) >= self.max_entries:
+                self._tags.clear()
+            tag = self._tags[scope] = hmac.new(
+                self._secret, b"tag\0" + (scope or "").encode("utf-8", "surrogatepass"),
+                hashlib.sha256).digest()[:8]
+        return tag
 
     # ------------------------------------------------------------------ record / lookup
     @staticmethod

@@ -200,6 +200,7 @@ class KVCacheManager:
         tail_rule = self.admission_tail_tokens is not None and not req.expect_reuse
         tail_from = self._tail_block(req, keys, st) if tail_rule else None
         placed: list[tuple[int, KVBlock]] = []
+        tenant = self.tenant_stats(req.salt)
         for i in range(st.num_committed, min(n_full, len(keys), len(st.blocks))):
             blk = st.blocks[i]
             key = keys[i]
@@ -223,7 +224,7 @@ class KVCacheManager:
             if ttl > 0:
                 self.pool.pin(blk, self.pool.clock() + ttl)
             self.stats.written_blocks += 1
-            self.tenant_stats(req.salt).written_blocks += 1
+            tenant.written_blocks += 1
             if req.cache_report is not None:
                 req.cache_report.written_blocks += 1
             self._record_content(req, i)
@@ -283,7 +284,6 @@ class KVCacheManager:
     def reset(self) -> dict[str, int]:
         """Drop every free cached block; blocks in use stay. Returns counts."""
         dropped, kept = self.pool.reset()
-        self.pool.ghosts.clear()
         self.ledger.clear()
         return {"dropped_blocks": dropped, "in_use_blocks_kept": kept}
 

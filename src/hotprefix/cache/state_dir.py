@@ -15,13 +15,15 @@ import os
 import stat
 import tempfile
 
+from hotprefix.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 SECRET_FILE = "secret.key"
 SECRET_BYTES = 32
 
 
-class StateDirError(ValueError):
+class StateDirError(ConfigError):
     """The state directory cannot be used; the message names the path and the reason."""
 
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.ledger import ContentLedger
-from hotprefix.cache.state_dir import StateDir, StateDirError
+from hotprefix.cache.state_dir import StateDir
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.cache.report import CacheReport
-from hotprefix.config import ConfigError, EngineConfig
+from hotprefix.config import EngineConfig
 from hotprefix.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_io import open_tiers
@@ -42,16 +42,6 @@ TIER_WAIT_S = 0.05
 """Pause of a step that scheduled nothing while requests wait (e.g. on their KV tier reads)."""
 ALL_TENANTS = object()
 """``cache_stats()`` without a tenant: the operator's view of every tenant."""
-
-
-def open_state_dir(path: str | None) -> StateDir | None:
-    """The checked state directory, or None. Raises ConfigError naming the path and the reason."""
-    if not path:
-        return None
-    try:
-        return StateDir(path)
-    except StateDirError as e:
-        raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -95,7 +85,7 @@ class LLMEngine:
         self.config = config
         t0 = time.monotonic()
         # checked before the model loads, so an unusable directory fails fast
-        state = open_state_dir(config.cache.state_dir)
+        state = StateDir(config.cache.state_dir) if config.cache.state_dir else None
         loaded = load_model(config.model.model)
         self.model_name = loaded.name
         self.model_path = loaded.path

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hotprefix.config import CacheConfig
+from hotprefix.config import CacheConfig, ConfigError, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,6 @@ class KVBlockIO:
 
 def read_secret(value: str | None) -> bytes | None:
     """``--kv-store-secret``: the literal text, ``env:NAME`` or ``file:PATH`` (keeps it out of ``ps``)."""
-    from hotprefix.config import ConfigError  # noqa: PLC0415
-
     if not value:
         return None
     if value.startswith("env:"):
@@ -96,7 +94,6 @@ def open_tiers(cache_cfg: CacheConfig, kv_caches: list[tuple[torch.Tensor, torch
         return None
     from hotprefix.cache.tier_link import TierLink
     from hotprefix.cache.tiers import TierStack
-    from hotprefix.config import ConfigError, parse_bytes
 
     io = KVBlockIO(kv_caches)
     max_bytes = parse_bytes(cache_cfg.kv_store_max_bytes) if cache_cfg.kv_store_max_bytes else None

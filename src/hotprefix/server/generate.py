@@ -118,9 +118,10 @@ def check_fits(state: ServerState, texts: list[str], param: str) -> None:
 async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: str = "messages") -> list[int]:
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
-    check_fits(state, [str(m.get("content") or "") for m in P.message_dicts(messages)], param)
+    dicts = P.message_dicts(messages)
+    check_fits(state, [str(m.get("content") or "") for m in dicts], param)
     try:
-        ids = await state.encode(state.tokenizer.encode_chat, P.message_dicts(messages))
+        ids = await state.encode(state.tokenizer.encode_chat, dicts)
     except TokenizerError as e:
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
