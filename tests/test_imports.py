@@ -150,3 +150,27 @@ def test_no_import_cycle_among_hotprefix_modules():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_importing_hotprefix_and_its_engine_imports_no_ray():
+    """Ray loads only with ``hotprefix serve --replicas N`` (hotprefix.fleet.app and below)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hotprefix, hotprefix.cli, hotprefix.llm, hotprefix.engine.engine, "
+            "hotprefix.server.app, hotprefix.fleet, hotprefix.fleet.config, hotprefix.fleet.hints, "
+            "hotprefix.fleet.merge, hotprefix.fleet.asgi, hotprefix.fleet.live; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_fleets_ray_free_parts_import_no_torch():
+    """The front end's routing hints, merges and ASGI calls run without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hotprefix.fleet.hints, hotprefix.fleet.merge, hotprefix.fleet.asgi, "
+            "hotprefix.fleet.config; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

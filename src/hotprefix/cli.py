@@ -27,6 +27,7 @@ from typing import Any
 
 from hotprefix.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
                               ServerConfig, field_docs)
+from hotprefix.fleet.config import FleetConfig
 from hotprefix.simulate import cli as simulate_cli
 from hotprefix.vllm_compat import UNSUPPORTED, flag_aliases, rejection
 
@@ -168,6 +169,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if server_cfg.api_keys:
             raise ConfigError("give --api-key (one key) or --api-keys (a key file), not both")
         server_cfg = dataclasses.replace(server_cfg, api_keys=single_key_file(args.api_key))
+    fleet_cfg = FleetConfig(**_section_kwargs(args, FleetConfig))
+    if fleet_cfg.replicas > 1:  # engine replicas on Ray Serve (hotprefix.fleet, imports Ray)
+        from hotprefix.fleet.app import serve_fleet
+
+        serve_fleet(engine_config_from_args(args), server_cfg, fleet_cfg)
+        return 0
     from hotprefix.server.app import serve
 
     serve(engine_config_from_args(args), server_cfg)
@@ -191,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                    help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
     add_config_flags(s, ENGINE_SECTIONS, aliases=flag_aliases())
-    add_config_flags(s, (ServerConfig,))
+    add_config_flags(s, (ServerConfig, FleetConfig))
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="a single API key, as vllm serve's: one tenant, whose key is also the admin "
                         "key; every /v1 route and /metrics need it (instead of --api-keys)")

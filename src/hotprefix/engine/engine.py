@@ -251,6 +251,12 @@ class LLMEngine:
                  state=self.state_health(), tiers=self.tier_stats())
         return s
 
+    def load_tokens(self) -> int:
+        """Tokens still to compute for the running and waiting requests (prompt tokens not yet
+        computed, plus one a step for each decoding request): what a router calls the load."""
+        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return sum(max(1, r.num_tokens - r.num_computed_tokens) for r in reqs)
+
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """Per KV tier: hits (tokens), misses, bytes, dropped writes, corrupt entries, errors..."""
         link = self.cache.tiers

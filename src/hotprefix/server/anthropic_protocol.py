@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from hotprefix.server.protocol import APIError, _Strict
+from hotprefix.tokenizer import Tokenizer
 
 CACHE_TTLS_S = {"5m": 300.0, "1h": 3600.0}
 """Seconds of each ``cache_control.ttl`` (``5m`` when omitted), before the server's maximum TTL."""
@@ -213,3 +214,11 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     if finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a conversation; a final assistant message is continued, not closed."""
+    if prompt.prefill is None:
+        return tokenizer.encode_chat(prompt.messages)
+    text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True) + prompt.prefill
+    return tokenizer.encode(text, add_special_tokens=False)

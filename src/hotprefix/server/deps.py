@@ -6,7 +6,7 @@ from fastapi import Depends, Request
 
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
-from hotprefix.server.tenants import AuthError, Tenant
+from hotprefix.server.tenants import AuthError, Tenant, bearer_key
 
 
 def get_state(request: Request) -> ServerState:
@@ -15,11 +15,7 @@ def get_state(request: Request) -> ServerState:
 
 def bearer(request: Request) -> str | None:
     """The API key: ``Authorization: Bearer KEY`` (or a bare value), else ``x-api-key``."""
-    auth = request.headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.partition(" ")
-        return value.strip() if scheme.lower() == "bearer" else auth.strip()
-    return request.headers.get("x-api-key")
+    return bearer_key(request.headers)
 
 
 def tenant_dep(request: Request, state: ServerState = Depends(get_state)) -> Tenant:

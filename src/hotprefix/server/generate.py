@@ -156,6 +156,8 @@ def cache_header(report: dict[str, Any]) -> str:
 def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -> dict[str, Any]:
     """Metrics + structured log for a finished request; returns its cache report."""
     rep = report_json(out)
+    if state.replica is not None:  # one replica of a fleet (hotprefix.fleet) names itself
+        rep["replica"] = state.replica
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
     state.metrics.observe_finished(route, out.finish_reason, n_prompt, out.num_cached_tokens,
                                    n_out, out.ttft_s, out.e2e_s)

@@ -28,6 +28,7 @@ from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
 from hotprefix.textutil import common_prefix_len
 from hotprefix.server import anthropic_protocol as A
+from hotprefix.server.anthropic_protocol import encode_prompt
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
 from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
@@ -35,7 +36,7 @@ from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, 
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import Tenant
-from hotprefix.tokenizer import Tokenizer, TokenizerError
+from hotprefix.tokenizer import TokenizerError
 
 ROUTE = "messages"
 """The route's label in metrics and request logs."""
@@ -70,14 +71,6 @@ def _error(request: Request, status: int, message: str,
 
 
 router = APIRouter(route_class=AnthropicRoute)
-
-
-def encode_prompt(tokenizer: Tokenizer, prompt: A.Prompt) -> list[int]:
-    """Token ids of a conversation; a final assistant message is continued, not closed."""
-    if prompt.prefill is None:
-        return tokenizer.encode_chat(prompt.messages)
-    text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True) + prompt.prefill
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def prompt_and_hints(state: ServerState, conv: A.Conversation) -> tuple[list[int], CacheHints]:

@@ -53,6 +53,9 @@ class ServerState:
             self.model_names.add(engine.model_path)
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
+        self.replica: str | None = None
+        """This server's replica name in a fleet (``hotprefix.fleet``): set, every cache report
+        carries it; None for the single server."""
         self._tok_lock = threading.Lock()
         self._log_file = open_private(config.log_requests) if config.log_requests else None
         self.log_failures = 0

@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -201,6 +201,16 @@ def _describe(err: Any, raw: Any, source: str) -> str:
     if err["type"] == "extra_forbidden":
         return f"{where} unknown setting {setting!r}; known: {sorted(KeyEntry.model_fields)}"
     return f"{where} {setting}: {err['msg']}"
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """The API key of a request's headers (lower-case names): ``Authorization: Bearer KEY`` (or a
+    bare value), else ``x-api-key``."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else auth.strip()
+    return headers.get("x-api-key")
 
 
 def single_key_file(key: str) -> str:

@@ -1,0 +1,45 @@
+"""The fleet's settings: one frozen dataclass, every default written once. Imports no torch, no Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hotprefix.config import ConfigError
+from hotprefix.router.config import POLICIES
+
+FLEET_POLICIES = POLICIES + ("pow2",)
+"""The routing core's policies, plus ``pow2``: Ray Serve's default procedure (two replicas drawn at
+random, the one with the shorter queue), for comparison."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """``hotprefix serve --replicas N``: engine replicas on Ray Serve behind one HTTP front end."""
+
+    replicas: int = 1
+    """Engine replicas; 1 = the single-process server (no Ray)."""
+    router: str = "prefix"
+    """How requests pick a replica: ``prefix`` (cost = w x blocks to prefill + load, the routing
+    core), ``round_robin``, ``least_loaded``, or ``pow2`` (Ray Serve's default procedure)."""
+    ray_address: str | None = None
+    """Ray cluster to join (``auto``, ``ray://HOST:10001``); None = start a local Ray."""
+    replica_num_cpus: float = 0.5
+    """CPUs Ray reserves for each engine replica (its scheduling unit, not a thread limit)."""
+    replica_num_gpus: float = 0.0
+    """GPUs Ray reserves for each engine replica."""
+    max_ongoing_requests: int = 64
+    """Requests Ray Serve sends one replica at a time (the rest queue in the front end)."""
+    stats_period_s: float = 1.0
+    """How often each replica reports its load (running and waiting tokens) to the router."""
+    max_retries: int = 3
+    """Times the front end resends a request whose replica died before it answered."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.router not in FLEET_POLICIES:
+            raise ConfigError(f"router must be one of {FLEET_POLICIES}, got {self.router!r}")
+        if self.replica_num_cpus < 0 or self.replica_num_gpus < 0:
+            raise ConfigError("replica_num_cpus and replica_num_gpus must be >= 0")
+        if self.max_ongoing_requests < 1 or self.stats_period_s <= 0 or self.max_retries < 0:
+            raise ConfigError("max_ongoing_requests must be >= 1, stats_period_s > 0, max_retries >= 0")
