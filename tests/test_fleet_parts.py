@@ -145,7 +145,7 @@ def test_fleet_config_refuses_bad_values():
         FleetConfig(replicas=0)
     with pytest.raises(ConfigError):
         FleetConfig(router="smallest_tree")
-    assert FleetConfig().replicas == 1 and FleetConfig(router="pow2").router == "pow2"
+    assert FleetConfig().replicas == 1 and FleetConfig(router="ray_default").router == "ray_default"
 
 
 def test_a_fleet_refuses_the_in_process_hash(tiny_model_dir):
@@ -155,3 +155,22 @@ def test_a_fleet_refuses_the_in_process_hash(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="sha256"):
         fleet_app(tiny_config(tiny_model_dir, hash_algo="fast"), ServerConfig(), FleetConfig(replicas=2))
+
+
+def test_build_app_reads_serves_flags_and_the_routers_settings(tiny_model_dir):
+    """``serve run hotprefix.fleet.app:build_app k=v ...`` (strings) and Serve config files."""
+    pytest.importorskip("ray")
+    from hotprefix.fleet.app import build_app
+
+    app = build_app({"replicas": "3", "router": "least_loaded", "model": tiny_model_dir,
+                     "num_threads": "1", "enable_prefix_caching": "true",
+                     "overload_slack_tokens": "4096", "kv_store": ["disk:/tmp/hp-x"]})
+    engine = app._bound_deployment.init_args[0]  # the EngineReplica deployment, bound
+    assert engine._bound_deployment.num_replicas == 3
+    kwargs = engine._bound_deployment._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs["policy"] == "least_loaded"
+    assert kwargs["router_options"]["overload_slack_tokens"] == 4096
+    assert engine._bound_deployment.init_args[0].cache.kv_store == ("disk:/tmp/hp-x",)
+    for bad in ({"replicas": "x"}, {"no_such_option": 1}, {"router": "smallest_tree"}):
+        with pytest.raises(ConfigError):
+            build_app({"model": tiny_model_dir, **bad})

@@ -28,6 +28,7 @@ from typing import Any
 from hotprefix.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
                               ServerConfig, field_docs)
 from hotprefix.fleet.config import FleetConfig
+from hotprefix.router.config import RouterConfig
 from hotprefix.simulate import cli as simulate_cli
 from hotprefix.vllm_compat import UNSUPPORTED, flag_aliases, rejection
 
@@ -173,7 +174,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if fleet_cfg.replicas > 1:  # engine replicas on Ray Serve (hotprefix.fleet, imports Ray)
         from hotprefix.fleet.app import serve_fleet
 
-        serve_fleet(engine_config_from_args(args), server_cfg, fleet_cfg)
+        router_cfg = RouterConfig(**_section_kwargs(args, RouterConfig))
+        serve_fleet(engine_config_from_args(args), server_cfg, fleet_cfg, router_cfg)
         return 0
     from hotprefix.server.app import serve
 
@@ -199,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
     add_config_flags(s, ENGINE_SECTIONS, aliases=flag_aliases())
     add_config_flags(s, (ServerConfig, FleetConfig))
+    add_config_flags(s, (RouterConfig,), skip=("policy",))  # --replicas N: the routing core's settings
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="a single API key, as vllm serve's: one tenant, whose key is also the admin "
                         "key; every /v1 route and /metrics need it (instead of --api-keys)")

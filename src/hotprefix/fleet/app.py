@@ -3,7 +3,7 @@
 --replicas N``: a local Ray, or ``--ray-address``, serving until interrupted).
 
 Two deployments: ``EngineReplica`` (N replicas, each ``replica_num_cpus`` CPUs, routed by
-``HotprefixRequestRouter``) and ``Frontend`` (the HTTP ingress, no CPU reserved). On a cluster every
+``HotprefixRequestRouter``, or by Ray Serve's default router with ``router='ray_default'``) and ``Frontend`` (the HTTP ingress, no CPU reserved). On a cluster every
 node that may host a replica needs the model file (and the key file) at the same path.
 """
 
@@ -25,6 +25,7 @@ from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.frontend import ENGINE_DEPLOYMENT, Frontend
 from hotprefix.fleet.replica import EngineReplica
+from hotprefix.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,45 +45,69 @@ def check(engine_config: EngineConfig) -> None:
 
 
 def fleet_app(engine_config: EngineConfig, server_config: ServerConfig,
-              fleet_config: FleetConfig) -> Any:
-    """The bound Ray Serve application (see the module docstring)."""
+              fleet_config: FleetConfig, router_config: RouterConfig | None = None) -> Any:
+    """The bound Ray Serve application (see the module docstring); ``router_config``: the routing
+    core's settings (its ``policy`` is ``fleet_config.router``'s)."""
     check(engine_config)
-    router_config = RequestRouterConfig(
+    options = dataclasses.asdict(router_config or RouterConfig())
+    options.pop("policy")
+    routing_config = RequestRouterConfig(
         request_router_class="hotprefix.fleet.request_router.HotprefixRequestRouter",
         request_router_kwargs={"policy": fleet_config.router,
-                               "block_size": engine_config.cache.block_size},
+                               "block_size": engine_config.cache.block_size,
+                               "router_options": options},
         request_routing_stats_period_s=fleet_config.stats_period_s,
         request_routing_stats_timeout_s=max(1.0, 3 * fleet_config.stats_period_s))
+    routing: dict[str, Any] = {} if fleet_config.router == "ray_default" else {
+        "request_router_config": routing_config}
     engine = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT, num_replicas=fleet_config.replicas,
         ray_actor_options={"num_cpus": fleet_config.replica_num_cpus,
                            "num_gpus": fleet_config.replica_num_gpus},
         max_ongoing_requests=fleet_config.max_ongoing_requests,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
-        request_router_config=router_config)
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, **routing)
     front = serve.deployment(Frontend).options(name="Frontend", num_replicas=1,
                                                ray_actor_options={"num_cpus": 0},
                                                max_ongoing_requests=4096)
     return front.bind(engine.bind(engine_config, server_config), server_config, fleet_config)
 
 
-def _section(dc: Any, options: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(dc)}
-    return {k: options.pop(k) for k in list(options) if k in names}
-
-
 def build_app(args: dict[str, Any]) -> Any:
     """``serve run hotprefix.fleet.app:build_app replicas=2 model=/models/x.gguf ...`` or a Serve
-    config file's ``args``: flat options, as ``hotprefix serve``'s flags with underscores (fleet:
-    ``replicas``, ``router``...; server: ``api_keys``, ``admin_key``...; the rest go to the engine).
+    config file's ``args``: ``hotprefix serve``'s options, named as its flags without the dashes
+    (``replicas``, ``router``, ``api_keys``, ``kv_store``, ``block_size``...), read by the same
+    parser, so types, defaults and checks are the CLI's (``true``/``false`` for switches, a list
+    or a comma-free string for repeatable flags).
 
     Raises:
         ConfigError: an unknown option or an invalid value.
     """
-    options = dict(args)
-    fleet = FleetConfig(**_section(FleetConfig, options))
-    server = ServerConfig(**_section(ServerConfig, options))
-    return fleet_app(EngineConfig.from_options(**options), server, fleet)
+    from hotprefix.cli import _section_kwargs, build_parser, engine_config_from_args
+
+    parser = build_parser()
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    argv = ["serve"]
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = serve_parser._option_string_actions.get(flag)
+        if action is None:
+            raise ConfigError(f"unknown fleet option {key!r} (see hotprefix serve --help)")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a switch
+            on = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            argv.append(flag if on else "--no-" + flag[2:])
+        else:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            argv += [flag, *map(str, values)]
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit:
+        raise ConfigError(f"invalid fleet options: {args}") from None
+    fleet = FleetConfig(**_section_kwargs(ns, FleetConfig))
+    server = ServerConfig(**_section_kwargs(ns, ServerConfig))
+    router = RouterConfig(**_section_kwargs(ns, RouterConfig))
+    return fleet_app(engine_config_from_args(ns), server, fleet, router)
 
 
 def shareable_keys(server_config: ServerConfig) -> ServerConfig:
@@ -102,10 +127,10 @@ def shareable_keys(server_config: ServerConfig) -> ServerConfig:
 
 
 def serve_fleet(engine_config: EngineConfig, server_config: ServerConfig,
-                fleet_config: FleetConfig) -> None:
+                fleet_config: FleetConfig, router_config: RouterConfig | None = None) -> None:
     """Start (or join) Ray, run the fleet on ``host:port`` until interrupted, then stop it."""
     server_config = shareable_keys(server_config)
-    app = fleet_app(engine_config, server_config, fleet_config)
+    app = fleet_app(engine_config, server_config, fleet_config, router_config)
     ray.init(address=fleet_config.ray_address, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})

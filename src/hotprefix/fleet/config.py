@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from hotprefix.config import ConfigError
 from hotprefix.router.config import POLICIES
 
-FLEET_POLICIES = POLICIES + ("pow2",)
-"""The routing core's policies, plus ``pow2``: Ray Serve's default procedure (two replicas drawn at
-random, the one with the shorter queue), for comparison."""
+FLEET_POLICIES = POLICIES + ("ray_default",)
+"""The routing core's policies, plus ``ray_default``: Ray Serve's own default request router
+(``PowerOfTwoChoicesRequestRouter``: two replicas drawn at random, the one with the shorter queue),
+for comparison."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class FleetConfig:
     """Engine replicas; 1 = the single-process server (no Ray)."""
     router: str = "prefix"
     """How requests pick a replica: ``prefix`` (cost = w x blocks to prefill + load, the routing
-    core), ``round_robin``, ``least_loaded``, or ``pow2`` (Ray Serve's default procedure)."""
+    core), ``round_robin``, ``least_loaded``, or ``ray_default`` (Ray Serve's own default router,
+    power of two choices on queue length, blind to prefixes)."""
     ray_address: str | None = None
     """Ray cluster to join (``auto``, ``ray://HOST:10001``); None = start a local Ray."""
     replica_num_cpus: float = 0.5

@@ -16,9 +16,8 @@ What the core knows of each replica comes from:
 A replica that leaves (killed, scaled down, died) is forgotten by the index, the memory and the
 load table at once (``update_replicas``, ``on_replica_actor_died``).
 
-Policies: ``prefix``, ``round_robin``, ``least_loaded`` (the core's), and ``pow2``: Ray Serve's
-default procedure (two replicas drawn at random, Ray Serve takes the one with the shorter queue),
-kept here so that it is measured under the same front end.
+Policies: ``prefix``, ``round_robin``, ``least_loaded`` (the core's). (``--router ray_default``
+deploys without this class: Ray Serve's own ``PowerOfTwoChoicesRequestRouter``.)
 
 Each router enters itself in ``live.routers`` (Ray Serve pickles this module by value, so shared
 state lives in a module it does not copy): the front end reads the router's view (for the
@@ -29,17 +28,18 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from hotprefix.fleet import live
 from hotprefix.fleet.hints import RouteHint
-from hotprefix.router.config import POLICIES, RouterConfig
+from hotprefix.router.config import RouterConfig
 from hotprefix.router.core import Decision, Router
 
 log = logging.getLogger(__name__)
+MAX_OPEN_DECISIONS = 100_000
+"""Decisions kept for requests not yet completed (each gives its load back on completion)."""
 
 class HotprefixRequestRouter(RequestRouter):
     """See the module docstring."""
@@ -47,8 +47,7 @@ class HotprefixRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix", block_size: int = 16,
                          router_options: dict[str, Any] | None = None, **_: Any) -> None:
         self.policy = policy
-        core_policy = policy if policy in POLICIES else "least_loaded"
-        self.core = Router([], block_size, RouterConfig(policy=core_policy, **(router_options or {})))
+        self.core = Router([], block_size, RouterConfig(policy=policy, **(router_options or {})))
         self.feed: Any = None
         self.decisions: dict[str, Decision] = {}
         """Internal request id -> its decision, until the request completes."""
@@ -112,14 +111,14 @@ class HotprefixRequestRouter(RequestRouter):
         hint = pending_request.kwargs.get("hotprefix_route") if pending_request is not None else None
         if not isinstance(hint, RouteHint):
             hint = RouteHint()
-        if self.policy == "pow2":
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
         d = self.decisions.get(rid) if rid is not None else None
         if d is None or d.replica not in by_name:
             d = self.core.route(list(hint.keys), max(1, hint.num_tokens), hint.prompt_cache_key)
             self.num_decisions[d.reason] += 1
             if rid is not None:
+                if len(self.decisions) >= MAX_OPEN_DECISIONS:  # completions lost: drop the oldest
+                    self.decisions.pop(next(iter(self.decisions)))
                 self.decisions[rid] = d
         first = by_name.get(d.replica)
         rest = sorted((r for r in candidate_replicas if r is not first),
