@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from hotprefix.cache.hashing import BlockKey
@@ -136,8 +137,12 @@ class Frontend:
         reply; a replica that died meanwhile is left out."""
         headers = list(request.headers.items())
         body = await request.body()
-        response = self.engine.broadcast("call", method, path, request.url.query, headers, body)
-        results = await response.results_async(timeout_s=FANOUT_TIMEOUT_S, return_exceptions=True)
+        try:
+            response = self.engine.broadcast("call", method, path, request.url.query, headers, body)
+            results = await response.results_async(timeout_s=FANOUT_TIMEOUT_S, return_exceptions=True)
+        except Exception as e:  # no replica (yet): the routes answer 503
+            log.warning("fan-out of %s %s failed: %s", method, path, type(e).__name__)
+            return {}
         replies = [Reply(*r) for r in results if isinstance(r, tuple)]
         return {r.replica: r for r in replies if r.replica is not None}
 
@@ -229,14 +234,24 @@ class Frontend:
                 return _error(413, f"The request body is larger than {limit} bytes.",
                               "invalid_request_error", "request_too_large")
         headers = list(request.headers.items())
-        keys = await self._prompt_keys()
         hint = RouteHint()
-        if keys is not None and request.method == "POST":
-            hint = await asyncio.to_thread(keys.hint, request.url.path, dict(request.headers), body)
+        if request.method == "POST":
+            try:
+                keys = await self._prompt_keys()
+            except Exception as e:  # no replica yet, or its tokenizer unreadable here: route by load
+                log.warning("no routing keys (%s: %s): requests go by load", type(e).__name__, e)
+                keys = None
+            if keys is not None:
+                hint = await asyncio.to_thread(keys.hint, request.url.path, dict(request.headers), body)
         try:
             reply = await self._send(request.method, request.url.path, request.url.query,
                                      headers, body, hint)
         except RETRYABLE:
             return _error(503, "no replica could serve the request (replicas died); try again",
                           code="replica_unavailable")
+        except BackPressureError:
+            return _error(503, "every replica's queue is full; try again", code="overloaded")
+        except Exception as e:  # a replica failed outside the app's own error handling
+            log.exception("forwarding %s %s failed", request.method, request.url.path)
+            return _error(502, f"the replica failed: {type(e).__name__}", code="replica_error")
         return reply.response()
