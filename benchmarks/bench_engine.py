@@ -12,20 +12,31 @@ What it measures, in ONE process, with the same torch thread count for every con
   hand-written greedy loop over its KV cache (batch 16: left padding, attention mask and
   position ids), timing only the decode steps.
 
-Contenders: hotprefix fp32 (the default on CPU), hotprefix ``dtype="bfloat16"`` (extra row), and
-transformers fp32 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., torch_dtype=float32)``).
-Prompts are real tokenized text (a generated policy handbook), never random ids. Every model is
+Contenders: the hotprefix configurations in ``MODES`` (the first, the default configuration, is
+"ours": the targets are about it; ``--dtype`` / ``--weights`` set its options), transformers fp32
+(``AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., torch_dtype=float32)``), and llama.cpp
+(issue 13) when its ``llama-bench`` is built (``../shared/tools/llamacpp-peer.sh build``, or
+``--llamacpp`` builds it): the same GGUF, the same thread count, ``--repack 0``, one llama-bench
+process per measurement (with its own warm-up run), interleaved with ours: prefill at each length
+(``-p L -n 0``) and batch-1 decode (``-p 0 -n 64 -d 128``: 64 tokens after a 128-token context,
+like ours). llama-bench has no batch of separate sequences, so it has no batch-16 figure.
+Prompts are real tokenized text (a generated policy handbook), never random ids (llama-bench
+uses its own token ids; its speed does not depend on them). Every model is
 loaded once and warmed up once; each measurement is repeated (default 3) with the contenders
 interleaved inside each repetition, and the median is reported, so the ratios printed side by side
 come from the same run even on a noisy machine.
 
 Targets printed next to the figures: prefill >= 1.0x transformers at every length; batch-1 decode
-<= 40 ms/token; batch-16 decode >= 150 tokens/s total. Earlier measurements of transformers and of
-llama.cpp's server on this machine are printed as static reference rows (NOT from this run).
+<= 40 ms/token; batch-16 decode >= 150 tokens/s total. Against llama.cpp in the same run (issue
+13): batch-1 decode <= 1.0x its ms/token; prefill >= 10x its tokens/s up to 2,048 tokens and >= 5x
+above; and our batch-16 decode >= 4x our batch-1 tokens/s. Earlier measurements of transformers
+and of llama.cpp's server on this machine are printed as static reference rows (NOT from this run)
+when llama.cpp is not in the run.
 
 Run (from the repository root):
 
     .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads 2] [--repeats 3] [--no-bf16]
+        [--dtype bfloat16] [--weights int8] [--llamacpp | --no-llamacpp] [--lengths 512,2048]
 
 Writes benchmarks/results/engine.json and prints a markdown table (stdout; progress on stderr).
 A full run takes about 5-7 minutes on 2 cores; ``--quick`` about 2.
@@ -45,6 +56,23 @@ from common import log, median  # noqa: E402
 TARGET_PREFILL_RATIO = 1.0
 TARGET_B1_MS = 40.0
 TARGET_B16_TPS = 150.0
+# issue 13, against llama.cpp in the same run
+TARGET_LLAMACPP_DECODE = 1.0  # our batch-1 ms/token over llama.cpp's, at most
+TARGET_LLAMACPP_PREFILL = 10.0  # our prefill tok/s over llama.cpp's, at least, up to 2,048 tokens
+TARGET_LLAMACPP_PREFILL_LONG = 5.0  # ... and above 2,048 tokens
+TARGET_BATCH_SCALING = 4.0  # our batch-16 decode tok/s over our batch-1 tok/s, at least
+
+PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "tools",
+                           "llamacpp-peer.sh")
+
+# The hotprefix configurations this run measures: label, LLM options, and whether only its
+# prefill is measured. The first is "ours" (the default configuration): the targets and the
+# llama.cpp ratios are about it, and --dtype / --weights set its options.
+MODES = [
+    {"label": "default", "options": {}},
+    {"label": "bf16", "options": {"dtype": "bfloat16"}},  # --no-bf16 skips it
+    {"label": "deterministic", "options": {"deterministic": True}, "prefill_only": True},  # --no-deterministic
+]
 
 # Earlier measurements on this machine (NOT this run): printed as reference rows only.
 REFERENCE = {
@@ -136,39 +164,145 @@ class TransformersContender:
                 "e2e_tps": b * n_out / (t2 - t0)}
 
 
+# --------------------------------------------------------------------------- llama.cpp
+class LlamaCppContender:
+    """llama.cpp's ``llama-bench`` on the same GGUF through ``llamacpp-peer.sh`` (one process per
+    measurement, with llama-bench's own warm-up run; ``--repack 0``, see the script)."""
+
+    name = "llama.cpp"
+    batch1_only = True  # llama-bench decodes one sequence: no batch-16 figure
+
+    def __init__(self, gguf: str, threads: int, decode_depth: int):
+        self.gguf, self.threads, self.decode_depth = gguf, threads, decode_depth
+        self.build_info = ""
+
+    @staticmethod
+    def locate(build: bool) -> str | None:
+        """The llama-bench bin directory, building it first when ``build``; None if not built."""
+        import subprocess
+
+        if not os.path.exists(PEER_SCRIPT):
+            return None
+        r = subprocess.run(["bash", PEER_SCRIPT, "bin"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return r.stdout.strip()
+        if not build:
+            return None
+        log("building llama.cpp's llama-bench (about 6 minutes on 2 cores) ...")
+        r = subprocess.run(["bash", PEER_SCRIPT, "build"], stdout=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"llama.cpp build failed ({PEER_SCRIPT} build, exit {r.returncode})")
+        return r.stdout.strip().splitlines()[-1]
+
+    def _bench(self, *args: str) -> dict:
+        import json
+        import subprocess
+
+        env = {**os.environ, "THREADS": str(self.threads)}
+        r = subprocess.run(["bash", PEER_SCRIPT, "bench", self.gguf, "-r", "1", *args],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-bench {' '.join(args)} failed (exit {r.returncode}): "
+                               f"{r.stderr.strip()[-2000:]}")
+        out = json.loads(r.stdout)[0]
+        self.build_info = f"llama.cpp {out.get('build_commit', '?')}, {out.get('model_type', '')}"
+        return out
+
+    def prefill_tps(self, ids: list[int]) -> float:
+        """Prompt processing of as many tokens (llama-bench's own token ids)."""
+        return float(self._bench("-p", str(len(ids)), "-n", "0")["avg_ts"])
+
+    def decode(self, prompts: list[list[int]], n_out: int) -> dict[str, float]:
+        """Batch-1 decode of n_out tokens after a context of ``decode_depth`` tokens."""
+        assert len(prompts) == 1, "llama-bench decodes one sequence"
+        tps = float(self._bench("-p", "0", "-n", str(n_out), "-d", str(self.decode_depth))["avg_ts"])
+        return {"decode_tps": tps, "ms_per_step": 1000.0 / tps, "e2e_tps": tps}
+
+
+def mode_name(label: str, llm) -> str:
+    """``hotprefix <label> (<compute dtype>[, weights <mode>])`` from what the LLM resolved."""
+    dtype = str(llm.engine.runner.dtype).replace("torch.", "")
+    weights = getattr(llm.config.model, "weights", None)
+    extra = f", weights {weights}" if weights not in (None, "auto") else ""
+    return f"hotprefix {label} ({dtype}{extra})"
+
+
 # --------------------------------------------------------------------------- main
-def main() -> None:
+def parse_args():
     ap = common.base_parser(__doc__)
     ap.add_argument("--no-bf16", action="store_true", help="skip the hotprefix bfloat16 contender")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers")
     ap.add_argument("--no-deterministic", action="store_true",
                     help="skip the deterministic-mode prefill contender")
-    args = ap.parse_args()
+    ap.add_argument("--dtype", default=None,
+                    help="LLM(dtype=...) of our default configuration (float32, bfloat16, ...)")
+    ap.add_argument("--weights", default=None,
+                    help="LLM(weights=...) of our default configuration (auto, bf16, int8, int4)")
+    peer = ap.add_mutually_exclusive_group()
+    peer.add_argument("--llamacpp", action="store_true",
+                      help="run llama.cpp as a contender, building it first if needed (~6 min)")
+    peer.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if built")
+    ap.add_argument("--lengths", default=None,
+                    help="comma-separated prefill lengths (default 512,2048,4096; --quick 128,256,512)")
+    return ap.parse_args()
+
+
+def hotprefix_modes(args) -> list[dict]:
+    """MODES with the command line applied: --dtype/--weights on the first, skips on the others."""
+    from hotprefix.quality import llm_options
+
+    first = {**MODES[0], "options": {**MODES[0]["options"], **llm_options(args.dtype, args.weights)}}
+    modes = [first]
+    for m in MODES[1:]:
+        if args.no_bf16 and m["options"].get("dtype") == "bfloat16":
+            continue
+        if args.no_deterministic and m["options"].get("deterministic"):
+            continue
+        if m["options"].get("dtype") is not None and m["options"] == {"dtype": args.dtype}:
+            continue  # the same as the first
+        modes.append(m)
+    return modes
+
+
+def main() -> None:
+    args = parse_args()
     common.setup_threads(args.threads)
     if args.quick:
         lengths, n_out, batch, repeats = [128, 256, 512], 16, 4, args.repeats or 2
     else:
         lengths, n_out, batch, repeats = [512, 2048, 4096], 64, 16, args.repeats or 3
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",")]
     max_batched = max(4096, max(lengths))
+    b1_context = 128  # tokens of context before batch-1 decode (ours and llama.cpp's -d)
+
+    peer_bin = None if args.no_llamacpp else LlamaCppContender.locate(build=args.llamacpp)
+    if peer_bin is None and not args.no_llamacpp:
+        log(f"llama.cpp: not built, run `bash {os.path.normpath(PEER_SCRIPT)} build` "
+            "(or pass --llamacpp) to add it as a contender")
 
     log("loading models ...")
-    contenders = [HotprefixContender("hotprefix fp32", common.load_hotprefix(
-        args.threads, enable_prefix_caching=False, max_num_batched_tokens=max_batched))]
-    if not args.no_bf16:
-        contenders.append(HotprefixContender("hotprefix bf16", common.load_hotprefix(
-            args.threads, dtype="bfloat16", enable_prefix_caching=False,
-            max_num_batched_tokens=max_batched)))
-    if not args.no_deterministic:
-        contenders.append(HotprefixContender("hotprefix fp32 deterministic", common.load_hotprefix(
-            args.threads, deterministic=True, enable_prefix_caching=False,
-            max_num_batched_tokens=max_batched), prefill_only=True))
+    contenders: list = []
+    for m in hotprefix_modes(args):
+        llm = common.load_hotprefix(args.threads, enable_prefix_caching=False,
+                                    max_num_batched_tokens=max_batched, **m["options"])
+        contenders.append(HotprefixContender(mode_name(m["label"], llm), llm,
+                                             prefill_only=m.get("prefill_only", False)))
+    ours = contenders[0].name  # the default configuration: the targets are about it
     if not args.no_transformers:
         contenders.append(TransformersContender(common.load_transformers()))
+    peer = None
+    if peer_bin is not None:
+        peer = LlamaCppContender(common.default_model_file()[0], args.threads, b1_context)
+        contenders.append(peer)
+        log(f"  llama.cpp: {peer_bin}")
     tok = contenders[0].llm.tokenizer
 
-    # one warm-up per contender (allocator, kernels, lazy init)
+    # one warm-up per contender (allocator, kernels, lazy init); llama-bench warms up every run
     warm = common.text_tokens(tok, 96, seed=999)
     for c in contenders:
+        if c is peer:
+            continue
         t, _ = common.timed(lambda: (c.prefill_tps(warm), None if getattr(c, "prefill_only", False)
                                      else c.decode([warm, warm[:80]], 4)))
         log(f"  warm-up {c.name}: {t:.1f}s")
@@ -180,6 +314,8 @@ def main() -> None:
     seed = 0
     t_start = time.perf_counter()
     for rep in range(repeats):
+        # every contender in turn at each size (ours, transformers, llama.cpp, ...), the order
+        # rotated each repetition, so that noise hits all of them alike
         order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
         for L in lengths:
             seed += 1
@@ -189,7 +325,7 @@ def main() -> None:
                 prefill[c.name][str(L)].append(tps)
                 log(f"  rep {rep} prefill {L:5d}  {c.name:18s} {tps:8.1f} tok/s")
         seed += 1
-        p1 = [common.text_tokens(tok, 128, seed=seed)]
+        p1 = [common.text_tokens(tok, b1_context, seed=seed)]
         order = [c for c in order if not getattr(c, "prefill_only", False)]
         for c in order:
             r = c.decode(p1, n_out)
@@ -197,6 +333,8 @@ def main() -> None:
             log(f"  rep {rep} decode b1      {c.name:18s} {r['ms_per_step']:8.1f} ms/token")
         pb = [common.text_tokens(tok, 96 + (32 * i) // batch, seed=seed * 100 + i) for i in range(batch)]
         for c in order:
+            if getattr(c, "batch1_only", False):
+                continue
             r = c.decode(pb, n_out)
             dec16[c.name].append(r)
             log(f"  rep {rep} decode b{batch:<3d}    {c.name:18s} {r['decode_tps']:8.1f} tok/s "
@@ -205,37 +343,41 @@ def main() -> None:
 
     res: dict[str, dict] = {}
     for n in names:
-        if not dec1[n]:  # prefill-only contender
-            res[n] = {"prefill_tps": {L: median(v) for L, v in prefill[n].items()},
-                      "prefill_tps_all": prefill[n], "decode_b1_ms_per_token": None,
-                      f"decode_b{batch}_tps": None}
-            continue
-        res[n] = {
-            "prefill_tps": {L: median(v) for L, v in prefill[n].items()},
-            "prefill_tps_all": prefill[n],
-            "decode_b1_ms_per_token": median([r["ms_per_step"] for r in dec1[n]]),
-            f"decode_b{batch}_tps": median([r["decode_tps"] for r in dec16[n]]),
-            f"decode_b{batch}_ms_per_step": median([r["ms_per_step"] for r in dec16[n]]),
-            f"e2e_b{batch}_tps": median([r["e2e_tps"] for r in dec16[n]]),
-        }
+        r = {"prefill_tps": {L: median(v) for L, v in prefill[n].items()}, "prefill_tps_all": prefill[n],
+             "decode_b1_ms_per_token": median([x["ms_per_step"] for x in dec1[n]]) if dec1[n] else None,
+             f"decode_b{batch}_tps": None}
+        if dec16[n]:
+            r.update({f"decode_b{batch}_tps": median([x["decode_tps"] for x in dec16[n]]),
+                      f"decode_b{batch}_ms_per_step": median([x["ms_per_step"] for x in dec16[n]]),
+                      f"e2e_b{batch}_tps": median([x["e2e_tps"] for x in dec16[n]])})
+        res[n] = r
     hf = "transformers fp32"
     ratios: dict[str, dict] = {}
     if hf in res:
         for n in names:
-            if n == hf:
+            if n in (hf, "llama.cpp"):
                 continue
-            if res[n]["decode_b1_ms_per_token"] is None:
-                ratios[n] = {"prefill_vs_transformers": {
-                    L: res[n]["prefill_tps"][L] / res[hf]["prefill_tps"][L] for L in res[n]["prefill_tps"]}}
+            rt = {"prefill_vs_transformers": {L: res[n]["prefill_tps"][L] / res[hf]["prefill_tps"][L]
+                                              for L in res[n]["prefill_tps"]}}
+            if res[n]["decode_b1_ms_per_token"] is not None:
+                rt["decode_b1_speedup_vs_transformers"] = \
+                    res[hf]["decode_b1_ms_per_token"] / res[n]["decode_b1_ms_per_token"]
+                rt[f"decode_b{batch}_vs_transformers"] = \
+                    res[n][f"decode_b{batch}_tps"] / res[hf][f"decode_b{batch}_tps"]
+            ratios[n] = rt
+    vs_peer: dict[str, dict] = {}
+    if peer is not None:
+        pr = res[peer.name]
+        for n in names:
+            if not n.startswith("hotprefix"):
                 continue
-            ratios[n] = {
-                "prefill_vs_transformers": {L: res[n]["prefill_tps"][L] / res[hf]["prefill_tps"][L]
-                                            for L in res[n]["prefill_tps"]},
-                "decode_b1_speedup_vs_transformers":
-                    res[hf]["decode_b1_ms_per_token"] / res[n]["decode_b1_ms_per_token"],
-                f"decode_b{batch}_vs_transformers":
-                    res[n][f"decode_b{batch}_tps"] / res[hf][f"decode_b{batch}_tps"],
-            }
+            rt = {"prefill_vs_llamacpp": {L: res[n]["prefill_tps"][L] / pr["prefill_tps"][L]
+                                          for L in res[n]["prefill_tps"]}}
+            if res[n]["decode_b1_ms_per_token"] is not None:
+                rt["decode_b1_ms_vs_llamacpp"] = res[n]["decode_b1_ms_per_token"] / pr["decode_b1_ms_per_token"]
+            vs_peer[n] = rt
+    main_r = res[ours]
+    scaling = main_r[f"decode_b{batch}_tps"] / (1000.0 / main_r["decode_b1_ms_per_token"])
 
     # ---------------------------------------------------------------- tables
     Ls = [str(L) for L in lengths]
@@ -248,6 +390,8 @@ def main() -> None:
                     + [r["prefill_tps"][L] for L in Ls]
                     + [r["decode_b1_ms_per_token"] or "-", r[f"decode_b{batch}_tps"] or "-"])
     for n, ref in REFERENCE.items():
+        if peer is not None and n.startswith("llama.cpp"):
+            continue  # measured in this run
         rows.append([f"_{n}_"] + [ref["prefill_tps"].get(str(L), "-") if not args.quick else "-"
                                   for L in (512, 2048, 4096)][:len(Ls)]
                     + [ref["decode_b1_ms"], ref["decode_b16_tps"]])
@@ -262,35 +406,66 @@ def main() -> None:
                    if "decode_b1_speedup_vs_transformers" in rt else ["-", "-"])
             rrows.append([n] + [f"{rt['prefill_vs_transformers'][L]:.2f}x" for L in Ls] + dec)
         lines += [common.md_table(rheader, rrows), ""]
-    # targets (the default contender: hotprefix fp32)
-    main_r = res["hotprefix fp32"]
+    if vs_peer:
+        pheader = ["ratio vs llama.cpp (same run)"] + [f"prefill {L} (tok/s, ours/llama.cpp)" for L in Ls] + \
+                  ["decode b1 (ms/token, ours/llama.cpp)"]
+        prows = [[n] + [f"{rt['prefill_vs_llamacpp'][L]:.2f}x" for L in Ls]
+                 + [f"{rt['decode_b1_ms_vs_llamacpp']:.2f}x" if "decode_b1_ms_vs_llamacpp" in rt else "-"]
+                 for n, rt in vs_peer.items()]
+        lines += [common.md_table(pheader, prows), ""]
+    # targets: our default configuration
     checks = []
-    if "hotprefix fp32" in ratios:
-        worst = min(ratios["hotprefix fp32"]["prefill_vs_transformers"].values())
+    if ours in ratios:
+        worst = min(ratios[ours]["prefill_vs_transformers"].values())
         checks.append(["prefill vs transformers, every length", f">= {TARGET_PREFILL_RATIO:.1f}x",
                        f"{worst:.2f}x (worst)", "PASS" if worst >= TARGET_PREFILL_RATIO else "FAIL"])
     b1 = main_r["decode_b1_ms_per_token"]
     checks.append(["decode batch 1", f"<= {TARGET_B1_MS:.0f} ms/token", f"{b1:.1f} ms/token",
                    "PASS" if b1 <= TARGET_B1_MS else "FAIL"])
     bN = main_r[f"decode_b{batch}_tps"]
+    quick_note = f" (batch {batch})" if batch != 16 else ""
     checks.append([f"decode batch {batch}", f">= {TARGET_B16_TPS:.0f} tok/s", f"{bN:.0f} tok/s",
-                   ("PASS" if bN >= TARGET_B16_TPS else "FAIL") + (" (quick: batch 4)" if args.quick else "")])
-    lines += [common.md_table(["target (hotprefix fp32)", "target", "measured", "result"], checks), ""]
-    mode = "quick run, noisy" if args.quick else "full run"
+                   ("PASS" if bN >= TARGET_B16_TPS else "FAIL") + quick_note])
+    if ours in vs_peer:
+        d = vs_peer[ours]["decode_b1_ms_vs_llamacpp"]
+        checks.append(["decode batch 1 vs llama.cpp (ms/token)", f"<= {TARGET_LLAMACPP_DECODE:.1f}x",
+                       f"{d:.2f}x", "PASS" if d <= TARGET_LLAMACPP_DECODE else "MISS"])
+        for L in Ls:
+            target = TARGET_LLAMACPP_PREFILL if int(L) <= 2048 else TARGET_LLAMACPP_PREFILL_LONG
+            x = vs_peer[ours]["prefill_vs_llamacpp"][L]
+            checks.append([f"prefill {L} vs llama.cpp (tok/s)", f">= {target:.0f}x", f"{x:.2f}x",
+                           "PASS" if x >= target else "MISS"])
+    else:
+        checks.append(["vs llama.cpp", "-", "llama.cpp: not built, run "
+                       f"`bash ../shared/tools/llamacpp-peer.sh build`", "-"])
+    checks.append([f"decode batch {batch} over batch 1 (ours, tok/s)", f">= {TARGET_BATCH_SCALING:.0f}x",
+                   f"{scaling:.2f}x", ("PASS" if scaling >= TARGET_BATCH_SCALING else "MISS") + quick_note])
+    lines += [common.md_table([f"target ({ours})", "target", "measured", "result"], checks), ""]
+    mode = "quick run, noisy" if args.quick or args.lengths else "full run"
+    peer_note = (f" llama.cpp: {peer.build_info}, llama-bench -t {args.threads} --repack 0, one "
+                 f"process per measurement; its decode is {n_out} tokens after a {b1_context}-token "
+                 f"context (-d {b1_context})." if peer is not None else "")
     lines.append(f"_{mode}: {args.threads} torch threads, median of {repeats} interleaved "
                  f"repetitions, {n_out} output tokens for decode; rows in italics are earlier "
                  f"measurements on this machine, not this run. Decode tok/s counts decode steps "
-                 f"only (prefill excluded)._")
+                 f"only (prefill excluded).{peer_note}_")
     table = "\n".join(lines)
     print(table)
 
     env = common.environment(args.threads, args.quick)
     env["elapsed_s"] = elapsed
+    if peer is not None:
+        env["llamacpp"] = peer.build_info
     common.write_json(args.out or os.path.join(common.RESULTS_DIR, "engine.json"), {
         "benchmark": "engine", "environment": env, "repeats": repeats, "prompt_lengths": lengths,
-        "decode_tokens": n_out, "batch": batch, "results": res, "ratios": ratios,
+        "decode_tokens": n_out, "batch": batch, "ours": ours, "results": res, "ratios": ratios,
+        "ratios_vs_llamacpp": vs_peer, f"decode_b{batch}_over_b1": scaling,
         "targets": {"prefill_ratio_min": TARGET_PREFILL_RATIO, "decode_b1_ms_max": TARGET_B1_MS,
-                    "decode_b16_tps_min": TARGET_B16_TPS},
+                    "decode_b16_tps_min": TARGET_B16_TPS,
+                    "llamacpp_decode_ms_ratio_max": TARGET_LLAMACPP_DECODE,
+                    "llamacpp_prefill_ratio_min": TARGET_LLAMACPP_PREFILL,
+                    "llamacpp_prefill_ratio_min_above_2048": TARGET_LLAMACPP_PREFILL_LONG,
+                    "batch_scaling_min": TARGET_BATCH_SCALING},
         "checks": checks, "reference_earlier_measurements": REFERENCE, "markdown": table})
 
 

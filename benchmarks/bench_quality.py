@@ -1,0 +1,151 @@
+"""Output quality per dtype / weights mode (issue 13): top-1 agreement and mean KL divergence
+against transformers float32 on the same GGUF, under teacher forcing over held-back text.
+
+For each hotprefix mode, every position of every window (default 2,048 positions in windows of
+512 tokens) is scored: our logits (one fresh prefill per window through the engine's own model,
+``hotprefix.quality.all_position_logits``) against transformers' float32 logits of the same
+window. Printed: mode, top-1 agreement, mean and max KL(transformers || ours), positions, and the
+bytes of the weight tensors the mode keeps in memory.
+
+Text: the prefix-caching article (``../shared/mission``) then the README, tokenized with the
+model's tokenizer (no special tokens); none of it is in the model's training data.
+
+Modes are ``DTYPE[:WEIGHTS]`` (``float32``, ``bfloat16``, ``bfloat16:int8``; ``default`` = no
+option given, the configuration a user gets). ``--break scale|zero-layer`` damages the loaded
+weights (all scaled by 1.01; one layer's MLP zeroed) to check the harness catches a broken
+dequantization: the scores must collapse.
+
+Run (from the repository root):
+
+    .venv/bin/python benchmarks/bench_quality.py [--modes default,float32,bfloat16] [--positions 2048]
+
+Writes benchmarks/results/quality.json and prints a markdown table (stdout; progress on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+from common import log  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+TEXTS = [os.path.join(ROOT, "..", "shared", "mission", "prefix-caching-article.txt"),
+         os.path.join(ROOT, "README.md")]
+# The modes of the quality table; with the weights option (issue 13) its modes join them.
+MODES = ["default", "float32", "bfloat16"]
+WEIGHT_MODES = ["default:int8", "default:int4"]
+BREAKS = ("scale", "zero-layer")
+
+
+def damage(kind: str) -> None:
+    """Make every later model load return damaged weights (a stand-in for a broken dequantization)."""
+    import torch
+
+    import hotprefix.engine.engine as engine_mod
+
+    load = engine_mod.load_model
+
+    def broken(*a, **kw):
+        loaded = load(*a, **kw)
+        w = loaded.weights
+        if kind == "scale":
+            for name, t in w.items():
+                if t.dim() == 2 and name != "model.embed_tokens.weight":
+                    w[name] = t * 1.01
+        else:
+            layer = loaded.arch.num_layers // 2
+            name = f"model.layers.{layer}.mlp.down_proj.weight"
+            w[name] = torch.zeros_like(w[name])
+        log(f"  weights damaged: {kind}")
+        return loaded
+
+    engine_mod.load_model = broken
+
+
+def main() -> None:
+    from hotprefix import LLM, quality
+    from hotprefix.model.loader import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated DTYPE[:WEIGHTS] modes (default: "
+                         f"{','.join(MODES)}, plus {','.join(WEIGHT_MODES)} when the weights option exists)")
+    ap.add_argument("--positions", type=int, default=2048, help="token positions scored (default 2048)")
+    ap.add_argument("--window", type=int, default=quality.DEFAULT_WINDOW,
+                    help=f"tokens per window (default {quality.DEFAULT_WINDOW})")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--text", action="append", default=None,
+                    help="a text file to score on (repeatable; default: the article, then the README)")
+    ap.add_argument("--break", dest="break_", choices=BREAKS, default=None,
+                    help="damage the weights to check the harness catches it (not a measurement)")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/quality.json)")
+    args = ap.parse_args()
+    common.setup_threads(args.threads)
+
+    specs = args.modes.split(",") if args.modes else \
+        MODES + (WEIGHT_MODES if quality.supports_weights_option() else [])
+    modes = [quality.QualityMode.parse(s) for s in specs]
+    for m in modes:
+        m.llm_options()  # a weights mode without the option fails here, before any loading
+    if args.break_:
+        damage(args.break_)
+
+    paths = [p for p in (args.text or TEXTS) if os.path.exists(p)]
+    texts = [open(p, encoding="utf-8").read() for p in paths]
+    model_path = default_model_path()
+    t0 = time.perf_counter()
+    ref_model = quality.load_reference(model_path)
+    log(f"transformers fp32 loaded in {time.perf_counter() - t0:.1f}s")
+
+    results, windows, refs = [], None, None
+    for m in modes:
+        t0 = time.perf_counter()
+        llm = LLM(num_threads=args.threads, kv_cache_memory="16MiB", enable_prefix_caching=False,
+                  **m.llm_options())
+        runner = llm.engine.runner
+        if windows is None:
+            windows = quality.windows_from_text(llm.tokenizer, texts, args.positions, args.window)
+            t1 = time.perf_counter()
+            refs = [quality.reference_logits(ref_model, w) for w in windows]
+            log(f"reference logits: {len(windows)} windows in {time.perf_counter() - t1:.1f}s")
+            del ref_model
+            gc.collect()
+        r = quality.evaluate(runner, windows, refs, m.name)
+        dtype = str(runner.dtype).replace("torch.", "")
+        results.append((r, dtype))
+        log(f"  {m.name} ({dtype}): top-1 {r.top1_agreement:.2%}, mean KL {r.mean_kl:.3g} "
+            f"({time.perf_counter() - t0:.1f}s)")
+        del llm, runner
+        gc.collect()
+
+    rows = [[r.mode, dtype, f"{r.top1_agreement:.2%}", f"{r.mean_kl:.2e}", f"{r.max_kl:.2e}",
+             r.num_positions, f"{r.weight_bytes / 2**20:,.0f} MiB"] for r, dtype in results]
+    table = common.md_table(["mode", "compute dtype", "top-1 agreement", "mean KL", "max KL",
+                             "positions", "weight memory"], rows)
+    note = (f"_against transformers fp32 on the same GGUF, teacher forcing over "
+            f"{', '.join(os.path.basename(p) for p in paths)} in windows of {args.window} tokens; "
+            f"KL(transformers || ours) in nats; weight memory = bytes of the model's weight tensors "
+            f"(a packed copy of a tied LM head counts)._")
+    if args.break_:
+        note += f"\n\n**weights damaged on purpose ({args.break_}): not a measurement.**"
+    print(table + "\n\n" + note)
+
+    if args.break_ and not args.out:
+        return  # a check of the harness, not a result to keep
+    env = common.environment(args.threads, quick=False)
+    common.write_json(args.out or os.path.join(common.RESULTS_DIR, "quality.json"), {
+        "benchmark": "quality", "environment": env, "texts": [os.path.basename(p) for p in paths],
+        "window": args.window, "damaged": args.break_,
+        "results": [{**r.__dict__, "compute_dtype": dtype} for r, dtype in results],
+        "markdown": table})
+
+
+if __name__ == "__main__":
+    main()

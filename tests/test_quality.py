@@ -1,0 +1,67 @@
+"""Output quality per dtype / weights mode against transformers float32 on the same GGUF, under
+teacher forcing over a short held-back text (the quality table of ``bench_quality.py``, in small).
+
+The thresholds are set to fail on a broken weight path (checked by hand with ``bench_quality.py
+--break``, 256 positions of this text): fp32 scores 100% / KL 2e-11, bf16 97.3% / KL 1.1e-3; with
+every matrix scaled by 1.01, fp32 falls to 95.7% / 1.9e-3 and bf16 to 95.3% / 2.8e-3; with one
+layer's MLP zeroed, both to about 77% / 0.1. A new weights mode (int8, int4) is one more row in
+``MODES``, its bounds set the same way: between its own score and its score when broken.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hotprefix import quality
+
+pytestmark = pytest.mark.model
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "quality", "held_back.txt")
+NUM_POSITIONS = 256
+
+# (mode, least top-1 agreement, largest mean KL(transformers fp32 || ours) in nats)
+MODES = [
+    pytest.param(quality.QualityMode("float32"), 0.99, 1e-6, id="fp32"),
+    pytest.param(quality.QualityMode("bfloat16"), 0.965, 2e-3, id="bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(default_tokenizer):
+    """(windows, transformers fp32 logits of each window) over the held-back text."""
+    from hotprefix.model.loader import default_model_path
+
+    with open(TEXT) as f:
+        windows = quality.windows_from_text(default_tokenizer, [f.read()], NUM_POSITIONS,
+                                            window=NUM_POSITIONS)
+    model = quality.load_reference(default_model_path())
+    refs = [quality.reference_logits(model, w) for w in windows]
+    return windows, refs
+
+
+@pytest.mark.parametrize("mode, min_top1, max_kl", MODES)
+def test_quality_against_transformers(reference, mode, min_top1, max_kl):
+    from hotprefix import LLM
+
+    windows, refs = reference
+    llm = LLM(num_threads=2, kv_cache_memory="16MiB", enable_prefix_caching=False,
+              **mode.llm_options())
+    r = quality.evaluate(llm.engine.runner, windows, refs, mode.name)
+    print(f"{mode.name}: top-1 {r.top1_agreement:.2%}, mean KL {r.mean_kl:.2e}, "
+          f"{r.weight_bytes / 2**20:.0f} MiB of weights")
+    assert r.num_positions == NUM_POSITIONS
+    assert r.top1_agreement >= min_top1, r
+    assert r.mean_kl <= max_kl, r
+    assert r.weight_bytes > 0
+
+
+def test_weights_option_is_guarded():
+    """Until the weights option exists, asking for it is a clear error, not a silent default."""
+    if quality.supports_weights_option():
+        assert quality.llm_options("bfloat16", "int8") == {"dtype": "bfloat16", "weights": "int8"}
+    else:
+        with pytest.raises(quality.ConfigError, match="no 'weights' option"):
+            quality.llm_options("bfloat16", "int8")
+    assert quality.llm_options("float32") == {"dtype": "float32"}
