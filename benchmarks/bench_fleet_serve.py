@@ -9,7 +9,8 @@ fleet starts cold. Sessions start ``--stagger-s`` apart and run their turns back
 turn carrying the whole conversation so far; every request streams through the front end's HTTP
 port and the client measures its time to first token (first content chunk).
 
-Reported per router: the token hit ratio (cached prompt tokens / prompt tokens, from each
+With ``--router-option NAME=VALUE`` a third fleet runs between them: the prefix router with those
+``RouterConfig`` settings. Reported per router: the token hit ratio (cached prompt tokens / prompt tokens, from each
 response's usage), the mean and median client TTFT, how often a session's turn went to the
 replica of its previous turn, and the share of requests each replica served; then the ratios
 prefix / ray_default. Writes results/fleet_serve.json. Run from the repository root:
@@ -30,8 +31,6 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
-ROUTERS = ("prefix", "ray_default")
 
 
 def system_prompt(tokenizer, n_tokens: int) -> str:
@@ -120,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stagger-s", type=float, default=0.5, help="seconds between session starts")
     ap.add_argument("--kv-cache-memory", default="512MiB", help="KV pool per replica")
     ap.add_argument("--router-option", action="append", default=[], metavar="NAME=VALUE",
-                    help="a RouterConfig setting for the prefix router (e.g. shared_prefix_fanout=4); "
-                         "default: none, the routing core's defaults")
+                    help="a RouterConfig setting (e.g. shared_prefix_fanout=4): adds a third contender, "
+                         "the prefix router with these settings (the first keeps the core's defaults)")
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.turns, args.system_tokens = 4, 3, 400
@@ -140,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = {k: float(v) if "." in v else int(v)
             for k, v in (o.split("=", 1) for o in args.router_option)}
-    router_config = RouterConfig(**opts)
+    contenders = [("prefix", "prefix", RouterConfig())]
+    if opts:
+        label = "prefix, " + ", ".join(f"{k}={v}" for k, v in opts.items())
+        contenders.append((label, "prefix", RouterConfig(**opts)))
+    contenders.append(("ray_default", "ray_default", RouterConfig()))
     tok = Tokenizer.load(default_model_path())
     system = system_prompt(tok, args.system_tokens)
     common.log(f"{args.sessions} sessions x {args.turns} turns, system prompt "
@@ -155,14 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for router in ROUTERS:
+        for name, router, router_config in contenders:
             engine = EngineConfig.from_options(num_threads=max(1, args.threads // 2),
                                                kv_cache_memory=args.kv_cache_memory,
                                                kv_events=f"tcp://127.0.0.1:{port + 100}")
             t = time.perf_counter()
             serve.run(fleet_app(engine, ServerConfig(), FleetConfig(replicas=2, router=router),
                                 router_config), name=APP_NAME, route_prefix="/")
-            common.log(f"{router}: fleet up in {time.perf_counter() - t:.1f}s")
+            common.log(f"{name}: fleet up in {time.perf_counter() - t:.1f}s")
             model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
             t = time.perf_counter()
             rows = asyncio.run(workload(url, model, system, args))
@@ -171,25 +174,29 @@ def main(argv: list[str] | None = None) -> int:
             stats = httpx.get(url + "/v1/cache/stats", timeout=60).json()
             summary["fleet_hit_rate"] = stats["hit_rate"]
             summary["router_view"] = stats.get("router")
-            results["routers"][router] = {"summary": summary, "requests": rows}
-            common.log(f"{router}: hit ratio {summary['hit_ratio']:.3f}, mean TTFT "
+            results["routers"][name] = {"summary": summary, "requests": rows}
+            common.log(f"{name}: hit ratio {summary['hit_ratio']:.3f}, mean TTFT "
                        f"{summary['mean_ttft_s']:.3f}s, {summary['wall_s']:.0f}s")
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
-    p, d = (results["routers"][r]["summary"] for r in ROUTERS)
+    names = [c[0] for c in contenders]
     rows = [[r, f"{s['hit_ratio']:.3f}", f"{s['mean_ttft_s']:.3f}", f"{s['median_ttft_s']:.3f}",
              f"{s['p90_ttft_s']:.3f}", f"{s['same_replica_share']:.2f}",
              " / ".join(f"{x:.2f}" for x in s["replica_shares"]), f"{s['wall_s']:.0f}"]
-            for r, s in ((r, results["routers"][r]["summary"]) for r in ROUTERS)]
+            for r, s in ((r, results["routers"][r]["summary"]) for r in names)]
     print(common.md_table(["router", "hit ratio", "mean TTFT s", "median TTFT s", "p90 TTFT s",
                            "turn on its previous replica", "requests per replica", "wall s"], rows))
-    ratios = {"hit_ratio": p["hit_ratio"] / d["hit_ratio"] if d["hit_ratio"] else float("inf"),
-              "mean_ttft": p["mean_ttft_s"] / d["mean_ttft_s"]}
-    results["ratios_prefix_over_ray_default"] = ratios
-    print(f"\nprefix / ray_default: hit ratio x{ratios['hit_ratio']:.2f}, "
-          f"mean TTFT x{ratios['mean_ttft']:.2f} ({1 / ratios['mean_ttft']:.2f}x faster)")
+    d = results["routers"]["ray_default"]["summary"]
+    results["ratios_over_ray_default"] = {}
+    for r in names[:-1]:
+        p = results["routers"][r]["summary"]
+        ratios = {"hit_ratio": p["hit_ratio"] / d["hit_ratio"] if d["hit_ratio"] else float("inf"),
+                  "mean_ttft": p["mean_ttft_s"] / d["mean_ttft_s"]}
+        results["ratios_over_ray_default"][r] = ratios
+        print(f"{r} / ray_default: hit ratio x{ratios['hit_ratio']:.3f}, mean TTFT "
+              f"x{ratios['mean_ttft']:.3f} ({1 / ratios['mean_ttft']:.2f}x as fast)")
     common.write_json(args.out or os.path.join(common.RESULTS_DIR, "fleet_serve.json"), results)
     return 0
 

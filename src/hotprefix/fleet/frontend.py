@@ -19,6 +19,7 @@ Knows nothing about the engine's internals. Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 ENGINE_DEPLOYMENT = "EngineReplica"
 FANOUT_TIMEOUT_S = 60.0
 """How long the fan-out (stats, metrics, health, reset) waits for the replicas' answers."""
+KEYS_TRIES = 120
+"""Tries (a second apart) to get the replicas' tokenizer and namespace at start."""
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
 RETRYABLE = (RayActorError,)
 """Errors that mean the replica is gone (``ActorDiedError``, ``ActorUnavailableError``)."""
@@ -87,6 +90,7 @@ class Frontend:
                                                 server_config.shared_prefix_tokens)
         self.keys: PromptKeys | None = None
         self._keys_lock = asyncio.Lock()
+        self._keys_task: asyncio.Task | None = None
 
     async def _prompt_keys(self) -> PromptKeys | None:
         """The replicas' tokenizer, namespace and block size (asked of one replica, once)."""
@@ -99,6 +103,19 @@ class Frontend:
                                            info["block_size"], info["hash_algo"], self.tenants,
                                            info["max_model_len"])
         return self.keys
+
+    async def _start_keys(self) -> None:
+        """Load the routing keys' tokenizer in the background as the app starts, so that the first
+        request does not wait for it (a replica still starting is waited for)."""
+        async def load() -> None:
+            for _ in range(KEYS_TRIES):
+                try:
+                    await self._prompt_keys()
+                    return
+                except Exception as e:
+                    log.info("routing keys not ready (%s); retrying", type(e).__name__)
+                    await asyncio.sleep(1.0)
+        self._keys_task = asyncio.get_running_loop().create_task(load())
 
     # ------------------------------------------------------------------ forwarding
     async def _send(self, method: str, path: str, query: str,
@@ -148,7 +165,12 @@ class Frontend:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The HTTP app (built in the replica: a FastAPI app does not pickle)."""
-        api = FastAPI(title="hotprefix fleet", version="0.1.0",
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            await self._start_keys()
+            yield
+
+        api = FastAPI(title="hotprefix fleet", version="0.1.0", lifespan=lifespan,
                       description="OpenAI-compatible LLM server: engine replicas behind "
                                   "prefix-aware routing.")
         api.add_api_route("/v1/cache/stats", self.cache_stats, methods=["GET"])
