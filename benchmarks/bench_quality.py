@@ -112,6 +112,8 @@ def main() -> None:
         runner = llm.engine.runner
         if windows is None:
             windows = quality.windows_from_text(llm.tokenizer, texts, args.positions, args.window)
+            counts = [len(llm.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+            paths = [p for i, p in enumerate(paths) if sum(counts[:i]) < args.positions]  # those used
             t1 = time.perf_counter()
             refs = [quality.reference_logits(ref_model, w) for w in windows]
             log(f"reference logits: {len(windows)} windows in {time.perf_counter() - t1:.1f}s")
