@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
     add_config_flags(s, ENGINE_SECTIONS, aliases=flag_aliases())
     add_config_flags(s, (ServerConfig, FleetConfig))
-    add_config_flags(s, (RouterConfig,), skip=("policy",))  # --replicas N: the routing core's settings
+    # --replicas N: the routing core's settings (its policy is --router; --seed stays vLLM's flag)
+    add_config_flags(s, (RouterConfig,), skip=("policy", "seed"))
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="a single API key, as vllm serve's: one tenant, whose key is also the admin "
                         "key; every /v1 route and /metrics need it (instead of --api-keys)")
