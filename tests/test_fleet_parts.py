@@ -174,3 +174,20 @@ def test_build_app_reads_serves_flags_and_the_routers_settings(tiny_model_dir):
     for bad in ({"replicas": "x"}, {"no_such_option": 1}, {"router": "smallest_tree"}):
         with pytest.raises(ConfigError):
             build_app({"model": tiny_model_dir, **bad})
+
+
+def test_the_documented_cluster_config_builds():
+    """deploy/ray/hotprefix_fleet.yaml's application args are valid ``build_app`` options."""
+    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("ray")
+    from pathlib import Path
+
+    from hotprefix.fleet.app import build_app
+
+    cfg = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "ray" / "hotprefix_fleet.yaml").read_text())
+    (app_cfg,) = cfg["applications"]
+    assert app_cfg["import_path"] == "hotprefix.fleet.app:build_app"
+    app = build_app(app_cfg["args"])
+    engine = app._bound_deployment.init_args[0]
+    assert engine._bound_deployment.num_replicas == app_cfg["args"]["replicas"]
+    assert engine._bound_deployment.init_args[0].cache.kv_store == tuple(app_cfg["args"]["kv_store"])
