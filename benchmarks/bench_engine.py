@@ -35,7 +35,7 @@ when llama.cpp is not in the run.
 
 Run (from the repository root):
 
-    .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads 2] [--repeats 3] [--no-bf16]
+    .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads 2] [--repeats 3] [--skip int8]
         [--dtype bfloat16] [--weights int8] [--llamacpp | --no-llamacpp] [--lengths 512,2048]
 
 Writes benchmarks/results/engine.json and prints a markdown table (stdout; progress on stderr).
@@ -69,8 +69,10 @@ PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..
 # prefill is measured. The first is "ours" (the default configuration): the targets and the
 # llama.cpp ratios are about it, and --dtype / --weights set its options.
 MODES = [
-    {"label": "default", "options": {}},
-    {"label": "bf16", "options": {"dtype": "bfloat16"}},  # --no-bf16 skips it
+    {"label": "default", "options": {}},  # bf16 where the CPU has native bf16 (probed), else fp32
+    {"label": "fp32", "options": {"dtype": "float32"}},
+    {"label": "int4", "options": {"weights": "int4"}},
+    {"label": "int8", "options": {"weights": "int8"}},
     {"label": "deterministic", "options": {"deterministic": True}, "prefill_only": True},  # --no-deterministic
 ]
 
@@ -230,7 +232,8 @@ def mode_name(label: str, llm) -> str:
 # --------------------------------------------------------------------------- main
 def parse_args():
     ap = common.base_parser(__doc__)
-    ap.add_argument("--no-bf16", action="store_true", help="skip the hotprefix bfloat16 contender")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated hotprefix MODES labels to leave out (fp32, int4, int8)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers")
     ap.add_argument("--no-deterministic", action="store_true",
                     help="skip the deterministic-mode prefill contender")
@@ -254,7 +257,7 @@ def hotprefix_modes(args) -> list[dict]:
     first = {**MODES[0], "options": {**MODES[0]["options"], **llm_options(args.dtype, args.weights)}}
     modes = [first]
     for m in MODES[1:]:
-        if args.no_bf16 and m["options"].get("dtype") == "bfloat16":
+        if m["label"] in args.skip.split(","):
             continue
         if args.no_deterministic and m["options"].get("deterministic"):
             continue

@@ -57,3 +57,12 @@ def real_llm():
     from hotprefix import LLM
 
     return LLM(kv_cache_memory="512MiB", num_threads=2)
+
+
+@pytest.fixture(scope="session")
+def real_llm_fp32():
+    """The real default model in float32 (the default is bf16 where the CPU has it): the mode
+    compared with transformers fp32 to 1e-3."""
+    from hotprefix import LLM
+
+    return LLM(kv_cache_memory="64MiB", num_threads=2, dtype="float32")

@@ -1,49 +1,93 @@
-"""Paged attention paths agree: cascade decode (shared prefix read once) vs per-sequence gather."""
+"""Batch-invariant paged attention: a query's output has the same bits however its sequence was
+chunked, whatever else shares the call, decode or prefill, in every dtype we serve."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hotprefix.model.attention import AttentionMetadata, paged_attention
+from hotprefix.model.attention import (KV_TILE, MIN_Q_ROWS, AttentionMetadata, PrefillSeq,
+                                       paged_attention, padded_len)
+
+BS, NKV, HD, H = 16, 3, 64, 9
 
 
-def test_cascade_decode_matches_gathered_decode():
-    g = torch.Generator().manual_seed(0)
-    nb, bs, nkv, hd, h = 64, 16, 2, 32, 6
-    k_cache = torch.randn(nb, bs, nkv, hd, generator=g)
-    v_cache = torch.randn(nb, bs, nkv, hd, generator=g)
-    shared = [3, 7, 1, 9, 12, 20, 21, 22, 30, 31, 40, 41, 42, 43, 44, 45, 46]  # 17 blocks = 272 tokens
-    own = [[50, 51], [52], [53, 54], [55]]
-    ctx = [len(shared) * bs + 20, len(shared) * bs + 5, len(shared) * bs + 31, len(shared) * bs + 16]
-    tables = [shared + o for o in own]
-    b = len(tables)
-    maxb = max(len(t) for t in tables)
-    table = torch.zeros(b, maxb, dtype=torch.long)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = torch.tensor(t)
-    mask = (torch.arange(maxb * bs)[None] < torch.tensor(ctx)[:, None]).view(b, 1, 1, -1)
-    q = torch.randn(b, h, hd, generator=g)
-    plain = AttentionMetadata(slot_mapping=torch.zeros(b, dtype=torch.long), num_decode=b,
-                              decode_block_tables=table, decode_mask=mask, prefills=[])
-    ref = paged_attention(q, k_cache, v_cache, plain, hd ** -0.5)
-    cascade = AttentionMetadata(slot_mapping=torch.zeros(b, dtype=torch.long), num_decode=b,
-                                decode_block_tables=table, decode_mask=mask, prefills=[],
-                                decode_shared_blocks=torch.tensor(shared),
-                                decode_suffix_tables=table[:, len(shared):],
-                                decode_suffix_mask=mask.view(b, -1)[:, len(shared) * bs:])
-    out = paged_attention(q, k_cache, v_cache, cascade, hd ** -0.5)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
-    # a sequence that attends differently changes only its own row
-    assert not torch.allclose(out[0], out[1])
+def _pool(dtype, nblocks=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(nblocks, BS, NKV, HD, generator=g).to(dtype)
+    v = torch.randn(nblocks, BS, NKV, HD, generator=g).to(dtype)
+    return k, v
 
 
-def test_runner_finds_shared_prefix_only_when_long_enough(tiny_model_dir):
-    from hotprefix import LLM
+def _prefill(q_all, k, v, table, start, n):
+    """Attend the chunk [start, start + n) of one sequence (its queries are rows of q_all)."""
+    nb = -(-(start + n) // BS)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long),
+                             prefills=[PrefillSeq(0, n, start + n, torch.tensor(table[:nb]))])
+    return paged_attention(q_all[start:start + n], k, v, meta, HD ** -0.5)
 
-    llm = LLM(tiny_model_dir, num_blocks=64, block_size=16)
-    r = llm.engine.runner
-    long = list(range(20))
-    assert r._shared_decode_blocks([long + [30], long + [31, 32]]) == long
-    assert r._shared_decode_blocks([long[:10] + [30], long[:10] + [31]]) == []  # 160 tokens: too short
-    assert r._shared_decode_blocks([long + [30]]) == []  # a single sequence
-    assert r._shared_decode_blocks([[1] + long, [2] + long]) == []  # differs at block 0
+
+def _decode(qs, k, v, tables, ctxs):
+    nd = len(qs)
+    keys = padded_len(max(ctxs))
+    nb = keys // BS
+    table = torch.tensor([t[:nb] + [0] * (nb - min(len(t), nb)) for t in tables])
+    mask = (torch.arange(keys)[None] < torch.tensor(ctxs)[:, None]).view(nd, 1, 1, keys)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(nd, dtype=torch.long), num_decode=nd,
+                             decode_block_tables=table, decode_mask=mask.expand(nd, 1, MIN_Q_ROWS, keys))
+    return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_output_independent_of_chunking_batch_and_phase(dtype):
+    k, v = _pool(dtype)
+    g = torch.Generator().manual_seed(1)
+    seq_len = 1300  # spans three key tiles
+    table = torch.randperm(400, generator=g)[: -(-seq_len // BS)].tolist()
+    q_all = torch.randn(seq_len, H, HD, generator=g).to(dtype)
+    probe = [0, 5, 15, 16, 511, 512, 700, 1023, 1024, 1299]
+    ref = _prefill(q_all, k, v, table, 0, seq_len)  # the whole sequence in one chunk
+    for start, n in [(0, 1), (0, 17), (500, 300), (1000, 299), (1299, 1), (2, 1298), (512, 512)]:
+        out = _prefill(q_all, k, v, table, start, n)
+        for p in probe:
+            if start <= p < start + n:
+                assert torch.equal(out[p - start], ref[p]), (start, n, p)
+    # the same query as a decode token, alone and batched with longer and shorter sequences
+    others = [torch.randperm(400, generator=g)[:150].tolist() for _ in range(3)]
+    for p in probe:
+        alone = _decode([q_all[p]], k, v, [table], [p + 1])
+        assert torch.equal(alone[0], ref[p]), p
+        batch = _decode([q_all[7], q_all[p], q_all[9]], k, v, [others[0], table, others[1]],
+                        [2400, p + 1, 40])
+        assert torch.equal(batch[1], ref[p]), p
+
+
+def test_padding_never_leaks_into_a_row():
+    """Keys beyond a query's position (other tokens or padding blocks) do not change it at all,
+    and changing one visible key does."""
+    k, v = _pool(torch.float32)
+    g = torch.Generator().manual_seed(2)
+    table = list(range(10, 10 + padded_len(300) // BS))
+    q = torch.randn(300, H, HD, generator=g)
+    a = _prefill(q, k, v, table, 0, 300)
+    k2 = k.clone()
+    k2[table[-1]] += 100.0  # keys of positions 496..511: beyond every query here
+    assert torch.equal(_prefill(q, k2, v, table, 0, 300), a)
+    k2[table[0], 0] += 1.0  # key of position 0: seen by every query
+    assert not torch.equal(_prefill(q, k2, v, table, 0, 300)[299], a[299])
+
+
+def test_matches_reference_softmax_attention():
+    k, v = _pool(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    n = 600
+    table = torch.randperm(400, generator=g)[: padded_len(n) // BS].tolist()
+    q = torch.randn(n, H, HD, generator=g)
+    out = _prefill(q, k, v, table, 0, n)
+    kk = k[table].flatten(0, 1)[:n].repeat_interleave(H // NKV, 1)  # [n, H, HD]
+    vv = v[table].flatten(0, 1)[:n].repeat_interleave(H // NKV, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * HD ** -0.5
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert KV_TILE % BS == 0

@@ -54,11 +54,11 @@ def our_logits(llm, ids):
     return logits
 
 
-def test_logits_match_transformers(real_llm, hf_model):
+def test_logits_match_transformers(real_llm_fp32, hf_model):
     worst = 0.0
     for msgs in PROMPTS:
-        ids = real_llm.tokenizer.encode_chat(msgs)
-        ours = our_logits(real_llm, ids)
+        ids = real_llm_fp32.tokenizer.encode_chat(msgs)
+        ours = our_logits(real_llm_fp32, ids)
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids])).logits[0].float()
         diff = (ours - ref).abs().max().item()
@@ -68,14 +68,14 @@ def test_logits_match_transformers(real_llm, hf_model):
     assert worst < 1e-3, worst
 
 
-def test_greedy_32_tokens_match_transformers(real_llm, hf_model):
+def test_greedy_32_tokens_match_transformers(real_llm_fp32, hf_model):
     for msgs in PROMPTS[:3]:
-        ids = real_llm.tokenizer.encode_chat(msgs)
+        ids = real_llm_fp32.tokenizer.encode_chat(msgs)
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
-        out = real_llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+        out = real_llm_fp32.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
         assert out.token_ids == ref
 
 

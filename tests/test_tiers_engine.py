@@ -10,6 +10,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from hotprefix import LLM
 from hotprefix.cache.tiers.blob import storage_key
@@ -38,10 +39,11 @@ def cold(tiny_model_dir):
     llm = LLM(tiny_model_dir, num_blocks=128, num_threads=2, enable_prefix_caching=False)
     memo: dict = {}
 
-    def get(p: list[int], dtype: str = "float32") -> list[int]:
+    def get(p: list[int], dtype: str | None = None) -> list[int]:
+        """None = the default dtype (the one every other engine here runs)."""
         key = (tuple(p), dtype)
         if key not in memo:
-            eng = llm if dtype == "float32" else LLM(tiny_model_dir, num_blocks=128, num_threads=2,
+            eng = llm if dtype is None else LLM(tiny_model_dir, num_blocks=128, num_threads=2,
                                                       enable_prefix_caching=False, dtype=dtype)
             memo[key] = eng.generate([p], GREEDY)[0].token_ids
         return memo[key]
@@ -155,9 +157,12 @@ def test_another_layout_or_namespace_never_matches(tiny_model_dir, tmp_path, col
     store = f"disk:{tmp_path / 'kv'}"
     p = prompt(5)
     _write_disk(tiny_model_dir, store, p)
-    with make(tiny_model_dir, [store], dtype="bfloat16") as other_layout:
+    from hotprefix.model.dtype_probe import probed_cpu_dtype
+
+    other = "float32" if probed_cpu_dtype().dtype == torch.bfloat16 else "bfloat16"  # not the default
+    with make(tiny_model_dir, [store], dtype=other) as other_layout:
         o = run(other_layout, p)
-        assert o.num_cached_tokens == 0 and o.token_ids == cold(p, "bfloat16")
+        assert o.num_cached_tokens == 0 and o.token_ids == cold(p, other)
         assert tier(other_layout, "disk")["corrupt"] == 0
     with make(tiny_model_dir, [store], block_size=32) as other_blocks:
         assert run(other_blocks, p).num_cached_tokens == 0

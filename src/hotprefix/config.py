@@ -49,6 +49,10 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
+WEIGHT_MODES = ("auto", "dense", "bf16", "int8", "int4")
+"""Accepted ``ModelConfig.weights`` values (see ``hotprefix.model.linear``)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run, and how."""
@@ -61,12 +65,21 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``."""
     dtype: str = "auto"
-    """Compute dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``."""
+    """Compute dtype: ``auto`` (bfloat16 on CUDA and on CPUs with native, measurably faster bf16
+    matmuls -- AMX or AVX512-BF16 -- float32 on other CPUs; the choice is logged), ``float32``,
+    ``bfloat16``, ``float16``. Every dtype is batch-invariant: cold and warm results are identical."""
+    weights: str = "auto"
+    """How the weights are held and multiplied: ``auto``/``dense``/``bf16`` (in the compute dtype;
+    the fastest prefill), ``int8`` (per-channel int8, weight-only) or ``int4`` (4-bit in groups of
+    32, the GGUF's Q4_1 layout). Quantized modes read fewer bytes per decoded token (CPU only).
+    Every mode is batch-invariant; the quality of each is measured by ``benchmarks/bench_quality.py``."""
     num_threads: int | None = None
     """CPU threads for torch; None leaves torch's default (OMP_NUM_THREADS)."""
     deterministic: bool = False
-    """Bit-identical logits whether a prefix came from cache or was computed: every forward
-    pass runs on block-aligned, fixed-shape tiles (slower)."""
+    """Run every forward pass on block-aligned, fixed-shape tiles of ``block_size`` rows (much
+    slower). The default path is already batch-invariant (bit-identical logits whether a prefix came
+    from cache or was computed, whatever shares the batch); this mode relies on no kernel property
+    beyond "the same shapes give the same bits", as a reference to check the default against."""
     enforce_eager: bool = False
     """No compiled or captured (CUDA graph) step, as vLLM's ``enforce_eager``. hotprefix's forward is
     always eager today, so either value runs the same code: the setting is accepted and recorded for
@@ -248,6 +261,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {s.max_model_len}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.model.device!r}")
+        if self.model.weights not in WEIGHT_MODES:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.model.weights!r}")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
 

@@ -97,7 +97,9 @@ class LLMEngine:
         cc = config.cache
         self.block_size = cc.block_size
         pool = BlockPool(self.runner.num_blocks, cc.block_size, cc.eviction_policy, cc.ghost_size)
-        self.namespace = namespace_key(self.model_fingerprint, self.tokenizer_fingerprint)
+        # K/V depend on the numerics too: a bf16 or int4 engine never reuses an fp32 engine's blocks
+        self.namespace = namespace_key(f"{self.model_fingerprint}/{self.runner.numerics}",
+                                       self.tokenizer_fingerprint)
         hasher = BlockHasher(self.namespace, cc.block_size, cc.hash_algo)
         self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window,
                                     ContentLedger(state), cc.admission_tail_tokens)

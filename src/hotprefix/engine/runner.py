@@ -19,7 +19,8 @@ import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.scheduler import ScheduledChunk
-from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+from hotprefix.model.dtype_probe import probed_cpu_dtype
+from hotprefix.model.attention import MIN_Q_ROWS, AttentionMetadata, PrefillSeq, padded_len
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
 from hotprefix.sampling import sample
@@ -27,7 +28,6 @@ from hotprefix.sampling import sample
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = "1GiB"
-CASCADE_MIN_TOKENS = 256  # shared decode prefix from which cascade attention is used
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,9 +40,15 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """The compute dtype: as asked, or for ``auto`` bf16 on CUDA and on CPUs that multiply bf16
+    natively and fast (probed, and logged), fp32 elsewhere."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    choice = probed_cpu_dtype()
+    log.info("dtype auto -> %s", choice.reason)
+    return choice.dtype
 
 
 def _total_memory(device: torch.device) -> int:
@@ -82,17 +88,21 @@ class ModelRunner:
         self.dtype = pick_dtype(model_cfg.dtype, self.device)
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
-        self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype)
+        self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights)
         self.block_size = bs = cache_cfg.block_size
         dbytes = torch.finfo(self.dtype).bits // 8
         self.bytes_per_token = arch.kv_bytes_per_token(dbytes)
-        weights_bytes = sum(t.numel() for t in loaded.weights.values()) * dbytes
-        self.num_blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, weights_bytes, self.device)
+        self.weights_bytes = self.model.weight_bytes()
+        self.num_blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, self.weights_bytes, self.device)
         shape = (self.num_blocks, bs, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
         self.capacity_tokens = self.num_blocks * bs
+        self.numerics = f"{str(self.dtype).replace('torch.', '')}/{self.model.weight_mode}"
+        """What the K/V values depend on besides the weights: compute dtype and weight mode."""
+        log.info("weights: %s, %.1f MiB held; GEMMs padded to %d rows (batch-invariant)",
+                 self.numerics, self.weights_bytes / 2**20, self.model.min_rows)
         log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s %s",
                  self.num_blocks, bs, self.capacity_tokens,
                  self.num_blocks * bs * self.bytes_per_token / 2**20, self.bytes_per_token,
@@ -161,38 +171,23 @@ class ModelRunner:
     def _batched_metadata(self, slots: list[int], decodes: list[ScheduledChunk],
                           decode_tables: list[list[int]], prefills: list[PrefillSeq]) -> AttentionMetadata:
         """The step's attention metadata, complete: slots, prefill sequences, and for the decodes
-        their padded block tables, masks and (for cascade attention) the prefix they all share."""
+        their block tables padded to a whole number of attention tiles, and masks."""
         bs, dev = self.block_size, self.device
         slot_mapping = torch.tensor(slots, device=dev)
+        has_padding = len(slots) > len(decodes) + sum(p.q_end - p.q_start for p in prefills)
         if not decodes:
-            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
+            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills, has_padding=has_padding)
         nd = len(decodes)
-        max_blocks = max(len(bt) for bt in decode_tables)
-        table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in decode_tables], dtype=torch.long)
+        keys = padded_len(max(c.start + 1 for c in decodes))
+        nblocks = keys // bs
+        table = torch.tensor([bt[:nblocks] + [0] * (nblocks - min(len(bt), nblocks)) for bt in decode_tables],
+                             dtype=torch.long)
         ctx = torch.tensor([c.start + 1 for c in decodes])
-        mask = (torch.arange(max_blocks * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, -1).to(dev)
-        shared = self._shared_decode_blocks(decode_tables)
-        ns = len(shared)
+        mask = (torch.arange(keys).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, keys)
         return AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills,
-            decode_block_tables=table.to(dev), decode_mask=mask,
-            decode_shared_blocks=torch.tensor(shared, device=dev) if shared else None,
-            decode_suffix_tables=table[:, ns:].to(dev) if shared else None,
-            decode_suffix_mask=mask.view(nd, -1)[:, ns * bs:] if shared else None)
-
-    def _shared_decode_blocks(self, tables: list[list[int]]) -> list[int]:
-        """Leading block ids common to every decoding sequence (a shared cached prefix), when long
-        enough for cascade attention to pay; each sequence keeps at least its own last block."""
-        if len(tables) < 2:
-            return []
-        first = tables[0]
-        n = min(len(t) for t in tables) - 1
-        for i in range(n):
-            bid = first[i]
-            if any(t[i] != bid for t in tables):
-                n = i
-                break
-        return first[:n] if n * self.block_size >= CASCADE_MIN_TOKENS else []
+            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills, has_padding=has_padding,
+            decode_block_tables=table.to(dev),
+            decode_mask=mask.expand(nd, 1, MIN_Q_ROWS, keys).to(dev))
 
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""

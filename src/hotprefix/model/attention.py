@@ -1,10 +1,23 @@
-"""Attention over a paged KV pool.
+"""Attention over a paged KV pool, batch-invariant.
 
 The pool of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and
 V). New K/V are written through ``slot_mapping`` (slot = block_id * block_size + offset); attention
-reads each sequence's K/V through its ``block_table``. Plain torch (SDPA), so it runs on CPU and CUDA.
+reads each sequence's K/V through its block table.
 
-This module knows nothing about requests, hashing or scheduling: only tensors and indices.
+A query's result never depends on what else is in the step: not on how many other queries share
+the call, how the prompt was cut into chunks, whether its prefix came from the cache, nor whether
+the token is a prefill row or a decode row. torch's fused CPU attention (flash, online softmax) is
+row-invariant only under two conditions, which every call here meets:
+
+- the keys of a call are padded (masked) to a multiple of ``KV_TILE``: the kernel walks keys in
+  tiles of that size from position 0, so a query sees the same tiles in the same order whatever its
+  context length or chunk, and fully masked tail tiles add exact zeros;
+- a call has at least ``MIN_Q_ROWS`` query rows (below that a different inner kernel runs): short
+  chunks and single decode tokens are padded with copies of their last row.
+
+``tests/test_attention.py`` checks these properties on random tensors in every dtype we serve, and
+``tests/test_batch_invariance.py`` checks them end to end. This module knows nothing about
+requests, hashing or scheduling: only tensors and indices.
 """
 
 from __future__ import annotations
@@ -13,6 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+KV_TILE = 512
+"""Keys per tile of the fused kernel; every call's key count is a multiple of it."""
+MIN_Q_ROWS = 16
+"""Fewest query rows per call for the row-invariant kernel path."""
+Q_TILE = 512
+"""Prefill query rows per call: a long chunk is attended in slices that each read only the keys up
+to their own last position (causal work, not the full square)."""
 
 
 @dataclass(frozen=True)
@@ -35,26 +56,33 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
     num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks*block_size] bool
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, L / block_size] long, L a multiple of KV_TILE
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, MIN_Q_ROWS, L] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
-    # Cascade decode: blocks every decoding sequence shares (a common cached prefix) are read once
-    # for the whole batch; only each sequence's own tail goes through its block table.
-    decode_shared_blocks: torch.Tensor | None = None  # [num_shared] long
-    decode_suffix_tables: torch.Tensor | None = None  # [num_decode, max_blocks - num_shared] long
-    decode_suffix_mask: torch.Tensor | None = None  # [num_decode, (max_blocks - num_shared) * block_size] bool
+
+
+def padded_len(n: int) -> int:
+    """Key count of a call that must see ``n`` keys: the next multiple of KV_TILE."""
+    return -(-n // KV_TILE) * KV_TILE
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     nh, hd = k_cache.shape[-2], k_cache.shape[-1]
     slots = meta.slot_mapping
+    k, v = k[: slots.shape[0]], v[: slots.shape[0]]  # rows past the mapping pad the GEMMs only
     if meta.has_padding:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.view(-1, nh, hd).index_copy_(0, slots, k)
     v_cache.view(-1, nh, hd).index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[..., nblocks] block ids -> [..., nkv, nblocks * block_size, hd]."""
+    kv = cache[table]  # [..., nblocks, bs, nkv, hd]
+    return kv.flatten(-4, -3).transpose(-3, -2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,62 +92,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     K/V of the current step must already be written to the pool.
     """
     out = torch.empty_like(q)
-    nkv = k_cache.shape[-2]
-    gqa = q.shape[1] != nkv
+    gqa = q.shape[1] != k_cache.shape[-2]
     nd = meta.num_decode
-    if nd and meta.decode_shared_blocks is not None:
-        out[:nd] = _cascade_decode(q[:nd], k_cache, v_cache, meta, scale)
-    elif nd:
-        bt = meta.decode_block_tables
-        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, hd]
-        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, hd]
+    if nd:
+        # every decode token is a query row of its own call, padded to MIN_Q_ROWS copies
+        qd = q[:nd].unsqueeze(2).expand(-1, -1, MIN_Q_ROWS, -1).contiguous()
+        k = _gather(k_cache, meta.decode_block_tables)
+        v = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = o[:, :, 0]
+    bs = k_cache.shape[1]
     for p in meta.prefills:
-        n = p.q_end - p.q_start
-        # 4-D [1, heads, len, dim] inputs take torch's fused CPU kernel (3-D ones do not)
-        k = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1).unsqueeze(0)
-        v = v_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1).unsqueeze(0)
-        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-        if n == p.context_len:
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            offset = p.context_len - n
-            rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
-            cols = torch.arange(p.context_len, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=cols <= rows, scale=scale,
-                                               enable_gqa=gqa)
-        out[p.q_start:p.q_end] = o[0].transpose(0, 1)
+        past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
+        for r0 in range(p.q_start, p.q_end, Q_TILE):
+            r1 = min(r0 + Q_TILE, p.q_end)
+            n = r1 - r0
+            first = past + r0 - p.q_start
+            keys = padded_len(first + n)
+            table = p.block_table[: keys // bs]
+            if table.shape[0] * bs < keys:  # pad with any block: its keys are masked out
+                table = torch.cat([table, table.new_zeros(keys // bs - table.shape[0])])
+            rows = max(n, MIN_Q_ROWS)
+            qp = q[r0:r1]
+            if rows > n:
+                qp = torch.cat([qp, qp[-1:].expand(rows - n, -1, -1)])
+            pos = torch.arange(first, first + rows, device=q.device).clamp_(max=first + n - 1)
+            mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
+            o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
+                                               _gather(k_cache, table).unsqueeze(0),
+                                               _gather(v_cache, table).unsqueeze(0),
+                                               attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[r0:r1] = o[0, :, :n].transpose(0, 1)
     return out
-
-
-def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode attention split into a shared prefix (one GEMM for all sequences) and per-sequence
-    tails, merged exactly with a shared softmax maximum and denominator.
-
-    Without it each sequence would gather its own copy of the shared prefix every layer and step.
-    """
-    b, h, hd = q.shape
-    nkv = k_cache.shape[-2]
-    g = h // nkv
-    qb = q.view(b, nkv, g, hd)
-    kp = k_cache[meta.decode_shared_blocks].flatten(0, 1)  # [Lp, nkv, hd]
-    vp = v_cache[meta.decode_shared_blocks].flatten(0, 1)
-    lp = kp.shape[0]
-    qg = qb.permute(1, 0, 2, 3).reshape(nkv, b * g, hd)
-    sp = torch.matmul(qg, kp.permute(1, 2, 0)).view(nkv, b, g, lp).permute(1, 0, 2, 3) * scale
-    ks = k_cache[meta.decode_suffix_tables].flatten(1, 2)  # [B, Ls, nkv, hd]
-    vs = v_cache[meta.decode_suffix_tables].flatten(1, 2)
-    ss = torch.einsum("bkgd,blkd->bkgl", qb, ks) * scale
-    ss = ss.masked_fill(~meta.decode_suffix_mask[:, None, None, :], float("-inf"))
-    m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
-    pp = torch.exp(sp - m)
-    ps = torch.exp(ss - m)
-    denom = pp.sum(-1, keepdim=True) + ps.sum(-1, keepdim=True)
-    op = torch.matmul(pp.permute(1, 0, 2, 3).reshape(nkv, b * g, lp), vp.permute(1, 0, 2))
-    op = op.view(nkv, b, g, hd).permute(1, 0, 2, 3)
-    o = (op + torch.einsum("bkgl,blkd->bkgd", ps, vs)) / denom
-    return o.reshape(b, h, hd)

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from hotprefix.model.attention import AttentionMetadata, paged_attention, write_kv
+from hotprefix.model.linear import (invariant_min_rows, pick_weight_linear, resolve_weights,
+                                    weight_bytes)
 from hotprefix.model.loader import ModelArch
+
+REFINE_TOP_K = 32
+"""Logits recomputed in fp32 per row when the LM head runs in bf16 or quantized (the rest keep
+their low-precision value): greedy picks and near-tie probabilities are those of an fp32 head."""
 
 
 class RotaryEmbedding:
@@ -42,54 +48,40 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype):
-    """(pack, linear): on CPU in fp32, weights prepacked for oneDNN, whose GEMV streams weights
-    about twice as fast as the default BLAS path on this class of CPU; elsewhere plain F.linear.
-    The oneDNN path is probed once and skipped if this torch build lacks it."""
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        try:
-            w = torch.randn(8, 4)
-            x = torch.randn(3, 4)
-            if torch.allclose(_onednn_linear(x, w.to_mkldnn(), None), F.linear(x, w), atol=1e-5):
-                return (lambda t: t.contiguous().to_mkldnn()), _onednn_linear
-        except (AttributeError, RuntimeError):
-            pass
-    return (lambda t: t), F.linear
-
-
 class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, weight_mode: str = "auto"):
         self.arch = arch
         self.device, self.dtype = device, dtype
+        self.weight_mode = resolve_weights(weight_mode, device)
 
-        def take(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
-        pack, self.linear = pick_linear(device, dtype)
+        pack, self.linear = pick_weight_linear(self.weight_mode, device, dtype)
+
+        def cat(names: list[str]) -> torch.Tensor:
+            return pack(torch.cat([weights[n] for n in names], 0))
 
         self.embed = take("model.embed_tokens.weight")
-        self.norm = take("model.norm.weight")
-        self.lm_head = pack(self.embed if arch.tie_word_embeddings else take("lm_head.weight"))
+        head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        # an fp32 copy of the LM head when the GEMMs are not fp32: the top logits are refined with it
+        self.head32 = (None if dtype == torch.float32 and self.weight_mode == "dense"
+                       else weights[head].to(device=device, dtype=torch.float32).contiguous())
+        self.norm = take("model.norm.weight", torch.float32)
+        self.lm_head = pack(weights[head])
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], 0)
             layer = {
-                "in_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": pack(qkv.to(device=device, dtype=dtype)),
-                "o": pack(take(p + "self_attn.o_proj.weight")),
-                "gate_up": pack(torch.cat([weights[p + "mlp.gate_proj.weight"],
-                                           weights[p + "mlp.up_proj.weight"]], 0)
-                                .to(device=device, dtype=dtype)),
-                "down": pack(take(p + "mlp.down_proj.weight")),
+                "in_norm": take(p + "input_layernorm.weight", torch.float32),
+                "post_norm": take(p + "post_attention_layernorm.weight", torch.float32),
+                "qkv": cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                "o": pack(weights[p + "self_attn.o_proj.weight"]),
+                "gate_up": cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down": pack(weights[p + "mlp.down_proj.weight"]),
                 "qkv_bias": None,
             }
             if arch.attention_bias:
@@ -97,10 +89,30 @@ class LlamaModel:
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
                 ).to(device=device, dtype=dtype)
             self.layers.append(layer)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device, dtype)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device, torch.float32)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5
+        l0 = self.layers[0]
+        self.min_rows = invariant_min_rows(self.linear, [l0["qkv"], l0["down"], self.lm_head],
+                                           [arch.hidden_size, arch.intermediate_size, arch.hidden_size],
+                                           device, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held for compute (the embedding table included)."""
+        mats = [self.lm_head] if self.lm_head is not self.embed else []
+        if self.head32 is not None:
+            mats.append(self.head32)
+        for layer in self.layers:
+            mats += [v for v in layer.values() if v is not None]
+        return weight_bytes(self.embed) + weight_bytes(self.norm) + sum(weight_bytes(m) for m in mats)
+
+    def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T (+ b), padded to ``min_rows`` rows so every row takes the same GEMM kernel."""
+        n = x.shape[0]
+        if n >= self.min_rows:
+            return self.linear(x, w, b)
+        return self.linear(torch.cat([x, x.new_zeros(self.min_rows - n, x.shape[1])]), w, b)[:n]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
@@ -118,24 +130,39 @@ class LlamaModel:
             [len(logits_rows), vocab_size] float32 logits.
         """
         a = self.arch
-        h = F.embedding(input_ids, self.embed)
+        dt = self.dtype
+        # the residual stream, norms and RoPE stay in fp32 whatever the compute dtype: only GEMM
+        # and attention inputs are rounded to it (a bf16 residual loses ~2 points of top-1)
+        n_real = input_ids.shape[0]
+        if n_real < self.min_rows:  # pad once here rather than at each GEMM
+            pad = input_ids.new_zeros(self.min_rows - n_real)
+            input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
+        h = F.embedding(input_ids, self.embed).float()
         cos, sin = self.rope.tables(positions)
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
-            qkv = self.linear(x, layer["qkv"], layer["qkv_bias"])
+            x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps).to(dt)
+            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"])
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # RoPE on queries and keys together: one set of ops instead of two
-            qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+            qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim).float(), cos, sin).to(dt)
             q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
             v = v.view(n, a.num_kv_heads, a.head_dim)
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + self.linear(o.reshape(n, self.q_size), layer["o"], None)
-            x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps)
-            gate, up = self.linear(x, layer["gate_up"], None).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer["down"], None)
-        if logits_rows is not None:
-            h = h[logits_rows]
+            if n > n_real:
+                o[n_real:] = 0  # padding rows attend to nothing
+            h = h + self._mm(o.reshape(n, self.q_size), layer["o"], None).float()
+            x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps).to(dt)
+            gate, up = self._mm(x, layer["gate_up"], None).chunk(2, dim=-1)
+            h = h + self._mm(F.silu(gate) * up, layer["down"], None).float()
+        h = h[logits_rows] if logits_rows is not None else h[:n_real]
         h = _rms_norm(h, self.norm, a.rms_norm_eps)
-        return self.linear(h, self.lm_head, None).float()
+        logits = self._mm(h.to(dt), self.lm_head, None).float()
+        if self.head32 is not None:
+            # a bf16 logit is rounded to 8 bits (1/16 at 10): near-ties flip the argmax. The top
+            # candidates are recomputed in fp32 (row-local products and fixed-length sums)
+            top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices
+            exact = (self.head32[top] * h.unsqueeze(1)).sum(-1)
+            logits.scatter_(1, top, exact)
+        return logits

@@ -1,0 +1,150 @@
+"""The model's matrix multiplies: how weights are held (dense in the compute dtype, or int8 / int4
+weight-only quantized) and which kernel multiplies with them, plus the row count from which that
+kernel is batch-invariant.
+
+Weight modes (``--weights``):
+
+- ``dense`` (alias ``bf16``): weights in the compute dtype. On CPU in fp32 they are prepacked for
+  oneDNN; in bf16 they go through oneDNN's AMX/AVX512-BF16 GEMM.
+- ``int8``: per-output-channel symmetric int8 with a scale per row (``torch._weight_int8pack_mm``):
+  half the bytes of bf16 read per decode step.
+- ``int4``: asymmetric 4-bit in groups of 32 along the input dimension with a scale and an offset per
+  group (``torch._weight_int4pack_mm_for_cpu``) -- the GGUF's own Q4_1 layout, so a Q4_1 checkpoint
+  is held at its own precision: about a quarter of the bytes of bf16.
+
+Every mode uses one kernel for every row of every step (prefill and decode alike), so cold == warm
+holds in each of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hotprefix.config import WEIGHT_MODES  # noqa: F401  (re-exported)
+from hotprefix.model.dtype_probe import cpu_flags
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32
+"""Input-dimension group of the int4 mode: GGUF Q4_0/Q4_1 blocks hold 32 weights."""
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype):
+    """(pack, linear): on CPU in fp32, weights prepacked for oneDNN, whose GEMV streams weights
+    about twice as fast as the default BLAS path on this class of CPU; elsewhere plain F.linear.
+    The oneDNN path is probed once and skipped if this torch build lacks it."""
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        try:
+            w = torch.randn(8, 4)
+            x = torch.randn(3, 4)
+            if torch.allclose(_onednn_linear(x, w.to_mkldnn(), None), F.linear(x, w), atol=1e-5):
+                return (lambda t: t.contiguous().to_mkldnn()), _onednn_linear
+        except (AttributeError, RuntimeError):
+            pass
+    return (lambda t: t), F.linear
+
+
+MIN_ROWS_AMX = 16
+"""Fewest GEMM rows in bf16/fp16 on a CPU with AMX: one tile. With fewer rows oneDNN may run its
+AVX-512 kernel instead, whose rounding differs from the tile unit's."""
+MIN_ROWS_REDUCED = 2
+"""Fewest GEMM rows in bf16/fp16 on other CPUs: one row takes a different path whose bits differ
+from every other row count (seen inside one process with real activations, not with random
+inputs, so no start-up probe can clear it)."""
+
+
+def invariant_min_rows(linear, weights: list[torch.Tensor], in_dims: list[int], device, dtype) -> int:
+    """Fewest rows from which ``linear`` gives every row the same bits whatever the row count.
+
+    A GEMM library may switch kernels with the number of rows (a GEMV for one row, another
+    blocking for two or three), and a row's reduction order switches with it. The forward pass pads
+    smaller batches up to this many rows, so a token's arithmetic never depends on how many tokens
+    share its step. Probed on the model's own weights, from a floor: for bf16 and fp16 on CPU,
+    ``MIN_ROWS_AMX`` where the CPU has AMX and ``MIN_ROWS_REDUCED`` elsewhere; 1 otherwise.
+    """
+    floor = 1
+    if device.type == "cpu" and dtype != torch.float32:
+        floor = MIN_ROWS_AMX if "amx_bf16" in cpu_flags() else MIN_ROWS_REDUCED
+    counts = [m for m in (1, 2, 3, 4, 5, 8, 16, 17, 64) if m >= floor]
+    g = torch.Generator().manual_seed(0)
+    need = floor
+    for w, k in zip(weights, in_dims):
+        x = torch.randn(64, k, generator=g).to(device=device, dtype=dtype)
+        first = {m: linear(x[:m], w, None)[0] for m in counts}
+        lo = counts[-1]
+        for m in reversed(counts[:-1]):
+            if not torch.equal(first[m], first[counts[-1]]):
+                break
+            lo = m
+        need = max(need, lo)
+    if need > MIN_ROWS_AMX:
+        log.warning("no row count up to %d gives row-invariant GEMMs on this %s build; "
+                    "cold and warm results may differ in the last bits", MIN_ROWS_AMX, dtype)
+    return min(need, MIN_ROWS_AMX)
+
+
+def _pack_int8(w: torch.Tensor, dtype: torch.dtype):
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale.to(dtype)
+
+
+def _int8_linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    y = torch._weight_int8pack_mm(x, w[0], w[1])
+    return y if b is None else y + b
+
+
+def _pack_int4(w: torch.Tensor, dtype: torch.dtype):
+    n, k = w.shape
+    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo = g.amin(-1, keepdim=True)
+    scale = ((g.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+    # the kernel dequantizes (q - 8) * scale + zero
+    zero = lo + 8 * scale
+    sz = torch.stack([scale.view(n, -1), zero.view(n, -1)], -1).transpose(0, 1).contiguous().to(dtype)
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+def _int4_linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    y = torch._weight_int4pack_mm_for_cpu(x, w[0], INT4_GROUP, w[1])
+    return y if b is None else y + b
+
+
+def resolve_weights(mode: str, device: torch.device) -> str:
+    """The weight mode to run: ``auto`` and ``bf16`` mean dense (the fastest to prefill, and the
+    quality reference); the quantized modes run on CPU only."""
+    if mode in ("auto", "bf16", "dense"):
+        return "dense"
+    if device.type != "cpu":
+        raise ValueError(f"weights={mode!r} runs on CPU only; use weights='auto' on {device.type}")
+    return mode
+
+
+def pick_weight_linear(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """(pack, linear) for a resolved weight mode: ``pack(w)`` turns an fp32 [out, in] weight into
+    what ``linear(x, packed, bias)`` multiplies with."""
+    if mode == "int8":
+        return (lambda t: _pack_int8(t, dtype)), _int8_linear
+    if mode == "int4":
+        return (lambda t: _pack_int4(t, dtype)), _int4_linear
+    pack, linear = pick_linear(device, dtype)
+    return (lambda t: pack(t.to(device=device, dtype=dtype).contiguous())), linear
+
+
+def weight_bytes(packed) -> int:
+    """Bytes held for one packed weight."""
+    if isinstance(packed, tuple):
+        return sum(weight_bytes(t) for t in packed)
+    if packed.is_mkldnn:
+        return packed.numel() * packed.element_size()
+    return packed.untyped_storage().nbytes()

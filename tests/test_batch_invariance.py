@@ -1,0 +1,134 @@
+"""Exact means exact, in every dtype and weight mode: a request's logits (and so its greedy tokens)
+do not depend on whether its prefix came from the cache, how its prompt was chunked, whether a
+position was computed by a decode step or a prefill, nor on what else shared its batch.
+
+The default mode (bf16 where the CPU multiplies bf16 natively) is checked bit for bit on the real
+model; the quantized weight modes on the real model with greedy tokens, multi-turn included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.dtype_probe import MIN_SPEEDUP, choose_cpu_dtype
+
+SYSTEM = ("You are the help desk of a city library. Books are lent for three weeks and can be renewed "
+          "twice online. Fines are ten cents a day. The reading room opens at nine and closes at "
+          "eight; on Sundays it opens at noon. Be short and kind. ") * 3
+QUESTIONS = ["Can I renew a book twice?", "When do you open on Sunday?", "How much is a fine?",
+             "Do you lend films?", "Where do I return books?"]
+
+
+def _last_logits(eng, ids, expect_start=None, others=()):
+    """Logits of the last prompt token, with ``others`` (token lists) prefilled in the same step."""
+    reqs = [eng.add_request(list(o), SamplingParams(max_tokens=1)) for o in others]
+    req = eng.add_request(list(ids), SamplingParams(max_tokens=1))
+    sched = eng.scheduler.schedule()
+    mine = [c for c in sched.chunks if c.request is req]
+    assert mine and mine[0].start + mine[0].num_tokens == len(ids), "prompt must fit one step"
+    if expect_start is not None:
+        assert mine[0].start == expect_start
+    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+    logits, owners = eng.runner.forward_logits(sched.chunks, tables)
+    out = logits[[o.request for o in owners].index(req)].clone()
+    eng.scheduler.update(sched, {})
+    for r in reqs + [req]:
+        eng.abort(r.request_id)
+    return out
+
+
+@pytest.mark.model
+def test_default_mode_logits_bit_identical_cold_warm_and_batched(real_llm):
+    eng = real_llm.engine
+    eng.reset_prefix_cache()
+    tok = real_llm.tokenizer
+    ids = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}])
+    cold = _last_logits(eng, ids, expect_start=0)
+    # prefix from cache: a sibling request shares the system prompt (a different question)
+    eng.reset_prefix_cache()
+    sib = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}])
+    real_llm.generate([sib], SamplingParams(max_tokens=1))
+    warm = _last_logits(eng, ids)
+    assert torch.equal(cold, warm)
+    # every full block of the prompt from cache (the last token is always computed)
+    real_llm.generate([ids], SamplingParams(max_tokens=1))
+    full = (len(ids) - 1) // eng.block_size * eng.block_size
+    assert torch.equal(_last_logits(eng, ids, expect_start=full), cold)
+    # cold again, batched with two unrelated prompts of other lengths
+    eng.reset_prefix_cache()
+    others = [tok.encode("An unrelated note about trains and timetables. " * k) for k in (3, 11)]
+    assert torch.equal(_last_logits(eng, ids, expect_start=0, others=others), cold)
+    assert eng.cache.pool.num_in_use == 0
+
+
+@pytest.mark.model
+def test_default_mode_decode_computed_blocks_equal_prefill(real_llm):
+    """Turn 2 reuses K/V that turn 1's decode steps wrote; a cold engine prefills them. Same bits."""
+    eng = real_llm.engine
+    eng.reset_prefix_cache()
+    tok = real_llm.tokenizer
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
+    ans = real_llm.generate([tok.encode_chat(conv)], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    conv += [{"role": "assistant", "content": ans.text}, {"role": "user", "content": "And on Sundays?"}]
+    ids = tok.encode_chat(conv)
+    warm = _last_logits(eng, ids)
+    eng.reset_prefix_cache()
+    assert torch.equal(_last_logits(eng, ids, expect_start=0), warm)
+
+
+def _greedy_cold_warm(llm, questions=QUESTIONS, turns=2):
+    tok = llm.tokenizer
+    prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+               for q in questions]
+    bs = llm.engine.block_size
+    prompts += [prompts[0][:bs * 8], prompts[0][:bs * 8 + 5]]  # exact block multiple, partial block
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
+    for turn in range(turns):
+        ids = tok.encode_chat(conv)
+        prompts.append(ids)
+        ans = llm.generate([ids], SamplingParams(max_tokens=10))[0]
+        conv += [{"role": "assistant", "content": ans.text}, {"role": "user", "content": f"More {turn}?"}]
+    prompts.append(tok.encode_chat(conv))
+    warm = [llm.generate([p], SamplingParams(max_tokens=8))[0] for p in prompts]  # one at a time, cached
+    llm.reset_prefix_cache()
+    batched = llm.generate(prompts, SamplingParams(max_tokens=8))  # together, shared prefixes in flight
+    llm.reset_prefix_cache()
+    cold = [None] * len(prompts)
+    for i in reversed(range(len(prompts))):  # each alone with an empty cache
+        llm.reset_prefix_cache()
+        cold[i] = llm.generate([prompts[i]], SamplingParams(max_tokens=8))[0]
+    assert sum(w.num_cached_tokens > 0 for w in warm) >= len(prompts) - 2
+    for i, (w, b, c) in enumerate(zip(warm, batched, cold)):
+        assert w.token_ids == c.token_ids == b.token_ids, f"prompt {i}: cached {w.num_cached_tokens}"
+    assert llm.engine.cache.pool.num_in_use == 0
+
+
+@pytest.mark.model
+def test_default_mode_greedy_cold_warm_batched(real_llm):
+    assert real_llm.engine.runner.model.min_rows >= 1
+    _greedy_cold_warm(real_llm)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_modes_greedy_cold_warm_batched(weights):
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)
+    assert llm.engine.runner.model.weight_mode == weights
+    _greedy_cold_warm(llm, QUESTIONS[:2], turns=1)  # quantized prefill is slower: fewer prompts
+
+
+def test_dtype_probe_falls_back_to_fp32():
+    assert choose_cpu_dtype(flags=set()).dtype == torch.float32  # no native bf16: never probed
+    slow = choose_cpu_dtype(flags={"avx512f", "avx512_bf16"}, speedup=MIN_SPEEDUP * 0.8)
+    assert slow.dtype == torch.float32 and "faster" in slow.reason
+    fast = choose_cpu_dtype(flags={"avx512_bf16", "amx_bf16", "amx_tile"}, speedup=6.0)
+    assert fast.dtype == torch.bfloat16 and "amx_bf16" in fast.reason
+
+
+def test_dtype_probe_measures_this_machine():
+    choice = choose_cpu_dtype()
+    if not choice.native_bf16:
+        assert choice.dtype == torch.float32 and choice.speedup == 0.0
+    else:
+        assert choice.speedup > 0 and (choice.dtype == torch.bfloat16) == (choice.speedup >= MIN_SPEEDUP)
