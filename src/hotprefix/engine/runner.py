@@ -20,7 +20,7 @@ import torch
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.dtype_probe import probed_cpu_dtype
-from hotprefix.model.attention import MIN_Q_ROWS, AttentionMetadata, PrefillSeq, padded_len
+from hotprefix.model.attention import AttentionMetadata, PrefillSeq, padded_len
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
 from hotprefix.sampling import sample
@@ -187,7 +187,7 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=slot_mapping, num_decode=nd, prefills=prefills, has_padding=has_padding,
             decode_block_tables=table.to(dev),
-            decode_mask=mask.expand(nd, 1, MIN_Q_ROWS, keys).to(dev))
+            decode_mask=mask.to(dev))
 
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""

@@ -57,7 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decode, L / block_size] long, L a multiple of KV_TILE
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, MIN_Q_ROWS, L] bool
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1 (or more), L] bool, broadcast over rows
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
 
@@ -95,13 +95,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gqa = q.shape[1] != k_cache.shape[-2]
     nd = meta.num_decode
     if nd:
-        # every decode token is a query row of its own call, padded to MIN_Q_ROWS copies
-        qd = q[:nd].unsqueeze(2).expand(-1, -1, MIN_Q_ROWS, -1).contiguous()
+        # a decode token's query heads that share a KV head are the rows of one call (padded with
+        # copies to MIN_Q_ROWS): the same per-row arithmetic as a prefill, at 1/g of the padding
+        nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+        g = q.shape[1] // nkv
+        rows = max(g, MIN_Q_ROWS)
+        qd = q[:nd].view(nd, nkv, g, hd)
+        if rows > g:
+            qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
         k = _gather(k_cache, meta.decode_block_tables)
         v = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[:nd] = o[:, :, 0]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask[:, :, :1], scale=scale)
+        out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
     bs = k_cache.shape[1]
     for p in meta.prefills:
         past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
