@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotprefix.model.attention import (KV_TILE, MIN_Q_ROWS, AttentionMetadata, PrefillSeq,
+from hotprefix.model.attention import (KV_TILE, AttentionMetadata, PrefillSeq,
                                        paged_attention, padded_len)
 
 BS, NKV, HD, H = 16, 3, 64, 9
@@ -34,7 +34,7 @@ def _decode(qs, k, v, tables, ctxs):
     table = torch.tensor([t[:nb] + [0] * (nb - min(len(t), nb)) for t in tables])
     mask = (torch.arange(keys)[None] < torch.tensor(ctxs)[:, None]).view(nd, 1, 1, keys)
     meta = AttentionMetadata(slot_mapping=torch.zeros(nd, dtype=torch.long), num_decode=nd,
-                             decode_block_tables=table, decode_mask=mask.expand(nd, 1, MIN_Q_ROWS, keys))
+                             decode_block_tables=table, decode_mask=mask)
     return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5)
 
 

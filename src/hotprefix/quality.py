@@ -184,53 +184,6 @@ def compare_logits(ref: torch.Tensor, ours: torch.Tensor) -> tuple[int, torch.Te
     return agree, kl
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of the model's weight tensors, each tensor counted once (tied ones once).
-
-    Uses the model's own ``weight_bytes()`` when it has one; otherwise walks its attributes (and
-    containers and objects below them) for tensors, leaving out the RoPE tables.
-    """
-    own = getattr(model, "weight_bytes", None)
-    if callable(own):
-        return int(own())
-    seen: set[int] = set()
-    visited: set[int] = set()
-    total = 0
-
-    def key(t: torch.Tensor) -> int:
-        try:
-            return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-        except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors have no storage
-            return id(t)
-
-    def visit(x: Any) -> None:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            k = key(x)
-            if k not in seen:
-                seen.add(k)
-                total += x.numel() * x.element_size()
-            return
-        if id(x) in visited or isinstance(x, (str, bytes, int, float, bool, type(None))):
-            return
-        visited.add(id(x))
-        if isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-        elif hasattr(x, "__dict__") and not callable(x):
-            for name, v in vars(x).items():
-                if name != "rope":
-                    visit(v)
-
-    for name, v in vars(model).items():
-        if name != "rope":
-            visit(v)
-    return total
-
-
 def evaluate(runner, windows: Sequence[Sequence[int]], references: Sequence[torch.Tensor],
              mode_name: str) -> QualityResult:
     """Score one mode's runner over the windows against the reference logits of each window."""
@@ -243,4 +196,4 @@ def evaluate(runner, windows: Sequence[Sequence[int]], references: Sequence[torc
         kl_sum += float(kl.sum())
         kl_max = max(kl_max, float(kl.max()))
     return QualityResult(mode=mode_name, top1_agreement=agree / n, mean_kl=kl_sum / n, max_kl=kl_max,
-                         num_positions=n, weight_bytes=weight_bytes(runner.model))
+                         num_positions=n, weight_bytes=runner.model.weight_bytes())

@@ -174,9 +174,8 @@ class ModelRunner:
         their block tables padded to a whole number of attention tiles, and masks."""
         bs, dev = self.block_size, self.device
         slot_mapping = torch.tensor(slots, device=dev)
-        has_padding = len(slots) > len(decodes) + sum(p.q_end - p.q_start for p in prefills)
         if not decodes:
-            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills, has_padding=has_padding)
+            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
         nd = len(decodes)
         keys = padded_len(max(c.start + 1 for c in decodes))
         nblocks = keys // bs
@@ -185,7 +184,7 @@ class ModelRunner:
         ctx = torch.tensor([c.start + 1 for c in decodes])
         mask = (torch.arange(keys).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, keys)
         return AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills, has_padding=has_padding,
+            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills,
             decode_block_tables=table.to(dev),
             decode_mask=mask.to(dev))
 

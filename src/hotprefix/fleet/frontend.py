@@ -53,6 +53,15 @@ RETRYABLE = (RayActorError,)
 """Errors that mean the replica is gone (``ActorDiedError``, ``ActorUnavailableError``)."""
 
 
+def _not_all_ok(replies: dict[str, "Reply"]) -> Response | None:
+    """The answer for a fleet route when not every replica answered 200: 503 when none answered,
+    else the first replica's own refusal (401, 403...); None when all did."""
+    if not replies:
+        return _error(503, "no replica answered", code="no_replica")
+    bad = next((r for r in replies.values() if r.status != 200), None)
+    return None if bad is None else bad.response()
+
+
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> Response:
     return JSONResponse(error_body(message, type, None, code), status_code=status)
 
@@ -184,11 +193,8 @@ class Frontend:
     # ------------------------------------------------------------------ fleet routes
     async def cache_stats(self, request: Request) -> Response:
         replies = await self._each(request, "GET", "/v1/cache/stats")
-        if not replies:
-            return _error(503, "no replica answered", code="no_replica")
-        bad = next((r for r in replies.values() if r.status != 200), None)
-        if bad is not None:  # 401, 403: the replicas' own answer
-            return bad.response()
+        if (failed := _not_all_ok(replies)) is not None:
+            return failed
         views = {n: r.json() for n, r in replies.items()}
         merged = merge_stats(views)
         if any(v.get("view") == "operator" for v in views.values()):
@@ -208,11 +214,8 @@ class Frontend:
 
     async def metrics(self, request: Request) -> Response:
         replies = await self._each(request, "GET", "/metrics")
-        if not replies:
-            return _error(503, "no replica answered", code="no_replica")
-        bad = next((r for r in replies.values() if r.status != 200), None)
-        if bad is not None:
-            return bad.response()
+        if (failed := _not_all_ok(replies)) is not None:
+            return failed
         try:
             text = merge_metrics({n: r.body.decode() for n, r in replies.items()})
         except ValueError as e:
@@ -238,11 +241,8 @@ class Frontend:
 
     async def cache_reset(self, request: Request) -> Response:
         replies = await self._each(request, "POST", "/v1/cache/reset")
-        if not replies:
-            return _error(503, "no replica answered", code="no_replica")
-        bad = next((r for r in replies.values() if r.status != 200), None)
-        if bad is not None:
-            return bad.response()
+        if (failed := _not_all_ok(replies)) is not None:
+            return failed
         return JSONResponse({**merge_stats({n: r.json() for n, r in replies.items()}),
                              "replicas": {n: r.json() for n, r in replies.items()}})
 

@@ -57,7 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decode, L / block_size] long, L a multiple of KV_TILE
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1 (or more), L] bool, broadcast over rows
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, L] bool, broadcast over heads and rows
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
 
@@ -105,7 +105,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
         k = _gather(k_cache, meta.decode_block_tables)
         v = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask[:, :, :1], scale=scale)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
     bs = k_cache.shape[1]
     for p in meta.prefills:
