@@ -260,9 +260,16 @@ def test_the_event_feed_follows_replicas_over_zeromq():
             reps[f"r{i % 2}"].serve(doc)
         for p in pubs.values():
             assert p.flush()
-        deadline = time.monotonic() + 5
-        while feed.num_batches < 2 and time.monotonic() < deadline:
+        keys = [router.hasher.keys(doc) for doc in docs]
+
+        def indexed() -> bool:  # every doc's five blocks are known on the replica that served it
+            return all(router.index.runs(k, router.replicas)[f"r{i % 2}"][0] == 5
+                       for i, k in enumerate(keys))
+
+        deadline = time.monotonic() + 10  # a SUB socket joins late; the replay socket fills the gap
+        while not indexed() and time.monotonic() < deadline:
             feed.poll(0.1)
+        assert feed.num_batches >= 2
         for i, doc in enumerate(docs):
             d = router.route_tokens(doc + [7] * BS)
             assert d.replica == f"r{i % 2}" and d.hit_blocks == 5
