@@ -4,7 +4,10 @@ One block's payload is the K and V of every layer for that block's ``block_size`
 pool's dtype, laid out ``[layer][k|v][slot][kv_head][head_dim]``. The ``layout`` string names
 everything that shapes those bytes (dtype, layers, KV heads, head dim, block size), so a tier entry
 written by another layout is never read back. Reads and writes gather/scatter many blocks with
-one indexed copy per layer and tensor.
+one indexed copy per layer and tensor. Loads go through one staging buffer, allocated and touched
+when the tiers open and reused for every load: a fresh process's first load would otherwise pay
+the page faults of a new buffer as large as the prompt's K/V, which is most of a load's time on a
+machine where other big processes run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from hotprefix.config import CacheConfig, ConfigError, parse_bytes
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
+STAGING_BLOCKS = 32
+"""Blocks copied into the pool per indexed copy on a load (the staging buffer's size)."""
 
 
 class KVBlockIO:
@@ -35,6 +40,7 @@ class KVBlockIO:
         self.num_layers = len(kv_caches)
         self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         self.payload_len = k0[0].numel() * k0.element_size() * 2 * self.num_layers
+        self._staging = torch.zeros((STAGING_BLOCKS, self.payload_len), dtype=torch.uint8)
         self.layout = (f"kv{LAYOUT_VERSION}/{str(self.dtype).replace('torch.', '')}/L{self.num_layers}"
                        f"/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}")
 
@@ -50,21 +56,24 @@ class KVBlockIO:
         raw = out.view(torch.uint8).reshape(len(block_ids), self.payload_len).numpy()
         return [raw[i].tobytes() for i in range(len(block_ids))]
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        """Copy payloads (verified by the tier) into the given pool blocks."""
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
+        """Copy payloads (verified by the tier) into the given pool blocks, ``STAGING_BLOCKS`` at
+        a time through the staging buffer."""
         if not block_ids:
             return
         if any(len(p) != self.payload_len for p in payloads):
             raise ValueError(f"a KV payload is not {self.payload_len} bytes")
-        raw = torch.empty((len(block_ids), self.payload_len), dtype=torch.uint8)
-        arr = raw.numpy()
-        for i, p in enumerate(payloads):  # one copy each, straight into the staging tensor
-            arr[i] = np.frombuffer(p, dtype=np.uint8)
-        blocks = raw.view(self.dtype).view((len(block_ids),) + self.block_shape).to(self.device)
-        idx = torch.tensor(list(block_ids), device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):  # index_put: ~2x faster than index_copy_ here
-            k[idx] = blocks[:, layer, 0]
-            v[idx] = blocks[:, layer, 1]
+        arr = self._staging.numpy()
+        for lo in range(0, len(block_ids), STAGING_BLOCKS):
+            chunk = payloads[lo:lo + STAGING_BLOCKS]
+            for i, p in enumerate(chunk):  # one copy each, straight into the staging buffer
+                arr[i] = np.frombuffer(p, dtype=np.uint8)
+            n = len(chunk)
+            blocks = self._staging[:n].view(self.dtype).view((n,) + self.block_shape).to(self.device)
+            idx = torch.tensor(list(block_ids[lo:lo + n]), device=self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):  # index_put: ~2x faster than index_copy_
+                k[idx] = blocks[:, layer, 0]
+                v[idx] = blocks[:, layer, 1]
 
 
 def read_secret(value: str | None) -> bytes | None:

@@ -124,8 +124,9 @@ def encode_blob(key: bytes, parent: bytes | None, token_ids: Sequence[int], layo
 
 def decode_blob(blob: bytes | bytearray | memoryview, *, key: bytes, parent: bytes | None,
                 token_ids: Sequence[int], layout: str, payload_len: int,
-                secret: bytes | None = None) -> bytes:
-    """Verify a blob against what the lookup expects and return its payload.
+                secret: bytes | None = None) -> memoryview:
+    """Verify a blob against what the lookup expects and return its payload: a read-only view
+    into ``blob`` (no copy: a load moves each byte of K/V once more, into the pool).
 
     Order of the checks: structure and checksum (``CorruptEntry``), then the signature
     (``BadSignature``), then every header field (``CorruptEntry``).
@@ -180,7 +181,7 @@ def decode_blob(blob: bytes | bytearray | memoryview, *, key: bytes, parent: byt
         raise CorruptEntry("layout mismatch")
     if header.payload_len != payload_len:
         raise CorruptEntry(f"payload length {header.payload_len}, expected {payload_len}")
-    return bytes(mv[start:end])
+    return mv[start:end].toreadonly()
 
 
 __all__ = ["BLOB_VERSION", "BadSignature", "BlobHeader", "CorruptEntry", "decode_blob", "encode_blob",

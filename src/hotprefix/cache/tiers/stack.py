@@ -49,8 +49,8 @@ class FetchedBlock:
     tier: str
     """Name of the tier that served it (``host``, ``disk``, ``redis``; ``disk2``... for a second
     tier of one kind)."""
-    payload: bytes
-    """The K/V bytes exactly as given to ``store``."""
+    payload: bytes | memoryview
+    """The K/V bytes exactly as given to ``store`` (a read-only view into the verified blob)."""
 
 
 @dataclass(frozen=True)
