@@ -231,6 +231,28 @@ def test_a_subscriber_that_missed_batches_recovers_them_from_the_replay_socket()
         pub.close()
 
 
+def test_a_subscriber_that_missed_the_tail_gets_it_without_waiting_for_a_later_batch():
+    pool, mgr, pub = _bare()
+    sub = None
+    try:
+        for i in range(3):  # all published before the subscriber exists; nothing after it
+            _request(mgr, f"r{i}", [i + 1] * (2 * BS))
+            assert pub.flush()
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint)
+        got = _poll_until(sub, pub.next_seq)
+        assert [s for s, _ in got] == list(range(pub.next_seq)) and all(b is not None for _, b in got)
+        assert sub.num_lost == 0 and sub.num_replayed == pub.next_seq
+        view = View()
+        for _, b in got:
+            view.apply(b)
+        assert view.medium("GPU") == set(pool.index) and len(pool.index) == 6
+        assert sub.poll(0.0) == []  # nothing new: nothing returned twice
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
 def test_batches_gone_from_the_replay_buffer_are_reported_lost():
     pool, mgr, pub = _bare(buffer_batches=2)
     sub = None
@@ -337,7 +359,14 @@ def test_vllm_event_types_decode_our_messages(tiny_model_dir, fmt):
     vllm_type = OldKVEventBatch if fmt == "array" else _new_vllm_types()
     dec = msgspec.msgpack.Decoder(vllm_type)
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # until the SUB connection is live (ZeroMQ's slow joiner)
+        while time.monotonic() < deadline:
+            llm.reset_prefix_cache()  # publishes an AllBlocksCleared
+            assert pub.flush()
+            if raw.poll(200):
+                break
+        while raw.poll(200):  # the handshake's batches
+            raw.recv_multipart()
         for p in prompts(8, seed=5):
             llm.generate([p], GREEDY)
         llm.reset_prefix_cache()

@@ -7,6 +7,11 @@ puts what comes back in its place; a number the publisher no longer holds is ret
 replica's blocks). With ``catch_up`` a subscriber that joins late also asks for everything from
 sequence 0 (the publisher's start, an ``AllBlocksCleared``) on its first message.
 
+A jump shows a gap only when a later batch arrives. The batches published just before a
+subscriber's connection was set up (ZeroMQ's "slow joiner"), or the last ones before the publisher
+went quiet, would stay missing until then; so a subscriber that has heard nothing for
+``IDLE_SYNC_S`` asks the replay socket for whatever follows its next expected sequence.
+
 The replay request is vLLM's: one 8-byte big-endian start sequence to a ROUTER socket, answered by
 ``(seq, payload)`` messages and an end marker of sequence -1; this subscriber talks to it through a
 DEALER socket (an empty delimiter frame first, as REQ would send). Imports no torch.
@@ -24,6 +29,8 @@ from hotprefix.events.schema import decoder
 
 REPLAY_TIMEOUT_S = 2.0
 """How long a replay may take before the range is given up as lost."""
+IDLE_SYNC_S = 1.0
+"""Silence after which ``poll`` asks the replay socket for batches it may have missed."""
 
 
 class EventSubscriber:
@@ -54,6 +61,7 @@ class EventSubscriber:
         """Batches missed that the replay could not supply."""
         self.num_replayed = 0
         """Batches recovered from the replay socket."""
+        self._heard_at = time.monotonic()
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[int, Any]]:
         """Batches received (waiting up to ``timeout_s`` for the first), in sequence order:
@@ -74,10 +82,21 @@ class EventSubscriber:
                 out.extend(self._recover(self.next_seq, seq))
             out.append((seq, self._decode(frames[2])))
             self.next_seq = seq + 1
+        now = time.monotonic()
+        if out:
+            self._heard_at = now
+        elif (self._replay is not None and self.next_seq is not None
+              and now - self._heard_at >= IDLE_SYNC_S):
+            self._heard_at = now
+            out = self._recover(self.next_seq, None)
+            if out:
+                self.next_seq = out[-1][0] + 1
         return out
 
-    def _recover(self, start: int, stop: int) -> list[tuple[int, Any]]:
-        """Batches ``start`` .. ``stop - 1`` from the replay socket; the ones it lacks as lost."""
+    def _recover(self, start: int, stop: int | None) -> list[tuple[int, Any]]:
+        """Batches ``start`` .. ``stop - 1`` from the replay socket, the ones it lacks as lost
+        (``stop`` None: whatever it holds from ``start`` on, and the numbers before the first one
+        it holds as lost)."""
         got: dict[int, Any] = {}
         if self._replay is not None:
             self._replay.send_multipart((b"", start.to_bytes(8, "big")))
@@ -88,8 +107,12 @@ class EventSubscriber:
                 if seq_bytes == END_SEQ:
                     break
                 seq = int.from_bytes(seq_bytes, "big")
-                if start <= seq < stop:
+                if start <= seq and (stop is None or seq < stop):
                     got[seq] = self._decode(payload)
+        if stop is None:
+            if not got:
+                return []
+            stop = max(got) + 1
         self.num_replayed += len(got)
         self.num_lost += (stop - start) - len(got)
         return [(s, got.get(s)) for s in range(start, stop)]
