@@ -111,10 +111,11 @@ def test_default_mode_greedy_cold_warm_batched(real_llm):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_quantized_modes_greedy_cold_warm_batched(weights):
+@pytest.mark.parametrize("weights", ["int8", "int4", "dense"])
+def test_other_weight_modes_greedy_cold_warm_batched(weights):
     llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)
     assert llm.engine.runner.model.weight_mode == weights
+    assert llm.engine.runner.model.fp32_ops == frozenset()
     _greedy_cold_warm(llm, QUESTIONS[:2], turns=1)  # quantized prefill is slower: fewer prompts
 
 

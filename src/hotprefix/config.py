@@ -49,7 +49,7 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
-WEIGHT_MODES = ("auto", "dense", "bf16", "int8", "int4")
+WEIGHT_MODES = ("auto", "mixed", "dense", "bf16", "int8", "int4")
 """Accepted ``ModelConfig.weights`` values (see ``hotprefix.model.linear``)."""
 
 
@@ -69,10 +69,13 @@ class ModelConfig:
     matmuls -- AMX or AVX512-BF16 -- float32 on other CPUs; the choice is logged), ``float32``,
     ``bfloat16``, ``float16``. Every dtype is batch-invariant: cold and warm results are identical."""
     weights: str = "auto"
-    """How the weights are held and multiplied: ``auto``/``dense``/``bf16`` (in the compute dtype;
-    the fastest prefill), ``int8`` (per-channel int8, weight-only) or ``int4`` (4-bit in groups of
-    32, the GGUF's Q4_1 layout). Quantized modes read fewer bytes per decoded token (CPU only).
-    Every mode is batch-invariant; the quality of each is measured by ``benchmarks/bench_quality.py``."""
+    """How the weights are held and multiplied: ``auto`` (``mixed`` in a 16-bit dtype, ``dense`` in
+    float32), ``mixed`` (the Q/K/V, gate/up and down projections in fp32, the rest in the compute
+    dtype: >= 99% top-1 agreement with fp32), ``dense``/``bf16`` (every GEMM in the compute dtype:
+    the fastest prefill, about 1 point of top-1 below fp32 in bf16), ``int8`` (per-channel int8,
+    weight-only) or ``int4`` (4-bit in groups of 32, the GGUF's Q4_1 layout). Quantized modes read
+    fewer bytes per decoded token (CPU only). Every mode is batch-invariant; the quality of each is
+    measured by ``benchmarks/bench_quality.py``."""
     num_threads: int | None = None
     """CPU threads for torch; None leaves torch's default (OMP_NUM_THREADS)."""
     deterministic: bool = False

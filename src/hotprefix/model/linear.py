@@ -120,10 +120,17 @@ def _int4_linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else y + b
 
 
-def resolve_weights(mode: str, device: torch.device) -> str:
-    """The weight mode to run: ``auto`` and ``bf16`` mean dense (the fastest to prefill, and the
-    quality reference); the quantized modes run on CPU only."""
-    if mode in ("auto", "bf16", "dense"):
+def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The weight mode to run.
+
+    ``auto`` is ``mixed`` when the compute dtype is 16-bit and ``dense`` in fp32: the default keeps
+    >= 99% top-1 agreement with an fp32 reference (``benchmarks/bench_quality.py``). ``bf16`` means
+    dense (every GEMM in the compute dtype: the fastest to prefill, about 1 point of top-1 below fp32
+    in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU only.
+    """
+    if mode in ("auto", "mixed"):
+        return "dense" if dtype == torch.float32 else "mixed"
+    if mode in ("bf16", "dense"):
         return "dense"
     if device.type != "cpu":
         raise ValueError(f"weights={mode!r} runs on CPU only; use weights='auto' on {device.type}")
@@ -137,6 +144,8 @@ def pick_weight_linear(mode: str, device: torch.device, dtype: torch.dtype) -> t
         return (lambda t: _pack_int8(t, dtype)), _int8_linear
     if mode == "int4":
         return (lambda t: _pack_int4(t, dtype)), _int4_linear
+    if mode not in ("dense", "mixed"):
+        raise ValueError(f"unknown weight mode {mode!r}")
     pack, linear = pick_linear(device, dtype)
     return (lambda t: pack(t.to(device=device, dtype=dtype).contiguous())), linear
 

@@ -21,6 +21,12 @@ from hotprefix.model.loader import ModelArch
 REFINE_TOP_K = 32
 """Logits recomputed in fp32 per row when the LM head runs in bf16 or quantized (the rest keep
 their low-precision value): greedy picks and near-tie probabilities are those of an fp32 head."""
+MIXED_FP32_GEMMS = frozenset({"qkv", "gate_up", "down"})
+"""The projections that the ``mixed`` weight mode runs in fp32 (weights and inputs). Rounding their
+inputs and weights to bf16 costs about a point of top-1 agreement with an fp32 reference (gate/up
+most, then Q/K/V and down); with these three in fp32, bf16 keeps >= 99% while the KV pool,
+attention, the output projection and the LM head stay in bf16 (measured per projection with
+``hotprefix.quality``)."""
 
 
 class RotaryEmbedding:
@@ -55,15 +61,20 @@ class LlamaModel:
                  dtype: torch.dtype, weight_mode: str = "auto"):
         self.arch = arch
         self.device, self.dtype = device, dtype
-        self.weight_mode = resolve_weights(weight_mode, device)
+        self.weight_mode = resolve_weights(weight_mode, device, dtype)
+        self.fp32_ops = MIXED_FP32_GEMMS if self.weight_mode == "mixed" else frozenset()
 
         def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
         pack, self.linear = pick_weight_linear(self.weight_mode, device, dtype)
+        pack32, self.linear32 = pick_weight_linear("dense", device, torch.float32)
 
-        def cat(names: list[str]) -> torch.Tensor:
-            return pack(torch.cat([weights[n] for n in names], 0))
+        def pk(op: str, t: torch.Tensor):
+            return pack32(t) if op in self.fp32_ops else pack(t)
+
+        def cat(names: list[str], op: str):
+            return pk(op, torch.cat([weights[n] for n in names], 0))
 
         self.embed = take("model.embed_tokens.weight")
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
@@ -78,25 +89,31 @@ class LlamaModel:
             layer = {
                 "in_norm": take(p + "input_layernorm.weight", torch.float32),
                 "post_norm": take(p + "post_attention_layernorm.weight", torch.float32),
-                "qkv": cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
-                "o": pack(weights[p + "self_attn.o_proj.weight"]),
-                "gate_up": cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                "down": pack(weights[p + "mlp.down_proj.weight"]),
+                "qkv": cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"], "qkv"),
+                "o": pk("o", weights[p + "self_attn.o_proj.weight"]),
+                "gate_up": cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "gate_up"),
+                "down": pk("down", weights[p + "mlp.down_proj.weight"]),
                 "qkv_bias": None,
             }
             if arch.attention_bias:
                 layer["qkv_bias"] = torch.cat(
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
-                ).to(device=device, dtype=dtype)
+                ).to(device=device, dtype=torch.float32 if "qkv" in self.fp32_ops else dtype)
             self.layers.append(layer)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device, torch.float32)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5
         l0 = self.layers[0]
-        self.min_rows = invariant_min_rows(self.linear, [l0["qkv"], l0["down"], self.lm_head],
-                                           [arch.hidden_size, arch.intermediate_size, arch.hidden_size],
+        probes = [("qkv", l0["qkv"], arch.hidden_size), ("down", l0["down"], arch.intermediate_size),
+                  ("head", self.lm_head, arch.hidden_size)]
+        low = [(w, k) for op, w, k in probes if op not in self.fp32_ops]
+        self.min_rows = invariant_min_rows(self.linear, [w for w, _ in low], [k for _, k in low],
                                            device, dtype)
+        high = [(w, k) for op, w, k in probes if op in self.fp32_ops]
+        if high:  # rows are padded to the larger of the two GEMM kinds' floors
+            self.min_rows = max(self.min_rows, invariant_min_rows(
+                self.linear32, [w for w, _ in high], [k for _, k in high], device, torch.float32))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held for compute (the embedding table included)."""
@@ -107,12 +124,16 @@ class LlamaModel:
             mats += [v for v in layer.values() if v is not None]
         return weight_bytes(self.embed) + weight_bytes(self.norm) + sum(weight_bytes(m) for m in mats)
 
-    def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T (+ b), padded to ``min_rows`` rows so every row takes the same GEMM kernel."""
+    def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None, op: str = "") -> torch.Tensor:
+        """x @ w.T (+ b), padded to ``min_rows`` rows so every row takes the same GEMM kernel; an
+        op of ``fp32_ops`` runs in fp32, the others in the compute dtype (the input cast whole)."""
+        high = op in self.fp32_ops
+        lin = self.linear32 if high else self.linear
+        x = x.to(torch.float32 if high else self.dtype)
         n = x.shape[0]
         if n >= self.min_rows:
-            return self.linear(x, w, b)
-        return self.linear(torch.cat([x, x.new_zeros(self.min_rows - n, x.shape[1])]), w, b)[:n]
+            return lin(x, w, b)
+        return lin(torch.cat([x, x.new_zeros(self.min_rows - n, x.shape[1])]), w, b)[:n]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
@@ -141,24 +162,24 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps).to(dt)
-            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"])
+            x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
+            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv")
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # RoPE on queries and keys together: one set of ops instead of two
             qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim).float(), cos, sin).to(dt)
             q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
-            v = v.view(n, a.num_kv_heads, a.head_dim)
+            v = v.view(n, a.num_kv_heads, a.head_dim).to(dt)
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
             if n > n_real:
                 o[n_real:] = 0  # padding rows attend to nothing
-            h = h + self._mm(o.reshape(n, self.q_size), layer["o"], None).float()
-            x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps).to(dt)
-            gate, up = self._mm(x, layer["gate_up"], None).chunk(2, dim=-1)
-            h = h + self._mm(F.silu(gate) * up, layer["down"], None).float()
+            h = h + self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float()
+            x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps)
+            gate, up = self._mm(x, layer["gate_up"], None, "gate_up").chunk(2, dim=-1)
+            h = h + self._mm(F.silu(gate) * up, layer["down"], None, "down").float()
         h = h[logits_rows] if logits_rows is not None else h[:n_real]
         h = _rms_norm(h, self.norm, a.rms_norm_eps)
-        logits = self._mm(h.to(dt), self.lm_head, None).float()
+        logits = self._mm(h, self.lm_head, None, "head").float()
         if self.head32 is not None:
             # a bf16 logit is rounded to 8 bits (1/16 at 10): near-ties flip the argmax. The top
             # candidates are recomputed in fp32 (row-local products and fixed-length sums)
