@@ -71,6 +71,7 @@ PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..
 MODES = [
     {"label": "default", "options": {}},  # bf16 where the CPU has native bf16 (probed), else fp32
     {"label": "fp32", "options": {"dtype": "float32"}},
+    {"label": "bf16-dense", "options": {"weights": "dense"}},  # every GEMM in the default dtype
     {"label": "int4", "options": {"weights": "int4"}},
     {"label": "int8", "options": {"weights": "int8"}},
     {"label": "deterministic", "options": {"deterministic": True}, "prefill_only": True},  # --no-deterministic
