@@ -6,6 +6,8 @@ Weight modes (``--weights``):
 
 - ``dense`` (alias ``bf16``): weights in the compute dtype. On CPU in fp32 they are prepacked for
   oneDNN; in bf16 they go through oneDNN's AMX/AVX512-BF16 GEMM.
+- ``mixed`` (what ``auto`` means in a 16-bit dtype): dense, with the projections named by
+  ``llama.MIXED_FP32_GEMMS`` held and multiplied in fp32 (the quality-critical ones).
 - ``int8``: per-output-channel symmetric int8 with a scale per row (``torch._weight_int8pack_mm``):
   half the bytes of bf16 read per decode step.
 - ``int4``: asymmetric 4-bit in groups of 32 along the input dimension with a scale and an offset per
