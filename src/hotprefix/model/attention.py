@@ -60,11 +60,54 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, L] bool, broadcast over heads and rows
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
+    _tiles: dict[int, list["PrefillTile"]] = field(default_factory=dict, compare=False, repr=False)
+
+    def prefill_tiles(self, block_size: int) -> list["PrefillTile"]:
+        """The prefill chunks' attention calls, planned once per forward pass: every layer makes
+        the same calls, only the tensors differ."""
+        tiles = self._tiles.get(block_size)
+        if tiles is None:
+            tiles = self._tiles[block_size] = [t for p in self.prefills for t in _plan_tiles(p, block_size)]
+        return tiles
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """One attention call of a prefill chunk: query rows ``r0:r1`` of the flat batch (padded to
+    ``rows`` with copies of the last), the blocks holding its keys (a whole number of KV tiles) and
+    its causal mask ``[rows, keys]``."""
+
+    r0: int
+    r1: int
+    rows: int
+    table: torch.Tensor
+    mask: torch.Tensor
 
 
 def padded_len(n: int) -> int:
     """Key count of a call that must see ``n`` keys: the next multiple of KV_TILE."""
     return -(-n // KV_TILE) * KV_TILE
+
+
+def _plan_tiles(p: PrefillSeq, bs: int) -> list[PrefillTile]:
+    """A chunk's calls: slices of ``Q_TILE`` query rows, each reading the keys up to its own last
+    position, padded to whole KV tiles."""
+    tiles = []
+    dev = p.block_table.device
+    past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
+    for r0 in range(p.q_start, p.q_end, Q_TILE):
+        r1 = min(r0 + Q_TILE, p.q_end)
+        n = r1 - r0
+        first = past + r0 - p.q_start
+        keys = padded_len(first + n)
+        table = p.block_table[: keys // bs]
+        if table.shape[0] * bs < keys:  # pad with any block: its keys are masked out
+            table = torch.cat([table, table.new_zeros(keys // bs - table.shape[0])])
+        rows = max(n, MIN_Q_ROWS)
+        pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
+        mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
+        tiles.append(PrefillTile(r0, r1, rows, table, mask))
+    return tiles
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -107,26 +150,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
-    bs = k_cache.shape[1]
-    for p in meta.prefills:
-        past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
-        for r0 in range(p.q_start, p.q_end, Q_TILE):
-            r1 = min(r0 + Q_TILE, p.q_end)
-            n = r1 - r0
-            first = past + r0 - p.q_start
-            keys = padded_len(first + n)
-            table = p.block_table[: keys // bs]
-            if table.shape[0] * bs < keys:  # pad with any block: its keys are masked out
-                table = torch.cat([table, table.new_zeros(keys // bs - table.shape[0])])
-            rows = max(n, MIN_Q_ROWS)
-            qp = q[r0:r1]
-            if rows > n:
-                qp = torch.cat([qp, qp[-1:].expand(rows - n, -1, -1)])
-            pos = torch.arange(first, first + rows, device=q.device).clamp_(max=first + n - 1)
-            mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
-            o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
-                                               _gather(k_cache, table).unsqueeze(0),
-                                               _gather(v_cache, table).unsqueeze(0),
-                                               attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[r0:r1] = o[0, :, :n].transpose(0, 1)
+    for t in meta.prefill_tiles(k_cache.shape[1]):
+        n = t.r1 - t.r0
+        qp = q[t.r0:t.r1]
+        if t.rows > n:
+            qp = torch.cat([qp, qp[-1:].expand(t.rows - n, -1, -1)])
+        o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
+                                           _gather(k_cache, t.table).unsqueeze(0),
+                                           _gather(v_cache, t.table).unsqueeze(0),
+                                           attn_mask=t.mask, scale=scale, enable_gqa=gqa)
+        out[t.r0:t.r1] = o[0, :, :n].transpose(0, 1)
     return out

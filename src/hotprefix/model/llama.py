@@ -68,7 +68,8 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
         pack, self.linear = pick_weight_linear(self.weight_mode, device, dtype)
-        pack32, self.linear32 = pick_weight_linear("dense", device, torch.float32)
+        pack32, self.linear32 = (pick_weight_linear("dense", device, torch.float32) if self.fp32_ops
+                                 else (pack, self.linear))
 
         def pk(op: str, t: torch.Tensor):
             return pack32(t) if op in self.fp32_ops else pack(t)
