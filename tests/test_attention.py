@@ -12,7 +12,7 @@ from hotprefix.model.attention import (KV_TILE, AttentionMetadata, PrefillSeq,
 BS, NKV, HD, H = 16, 3, 64, 9
 
 
-def _pool(dtype, nblocks=400, seed=0):
+def _pool(dtype, nblocks=400, seed=0):  # the pool's dtype; queries may be wider
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(nblocks, BS, NKV, HD, generator=g).to(dtype)
     v = torch.randn(nblocks, BS, NKV, HD, generator=g).to(dtype)
@@ -38,9 +38,11 @@ def _decode(qs, k, v, tables, ctxs):
     return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_query_output_independent_of_chunking_batch_and_phase(dtype):
-    k, v = _pool(dtype)
+@pytest.mark.parametrize("pool_dtype,dtype", [(torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])  # a CPU bf16 engine
+def test_query_output_independent_of_chunking_batch_and_phase(pool_dtype, dtype):
+    k, v = _pool(pool_dtype)
     g = torch.Generator().manual_seed(1)
     seq_len = 1300  # spans three key tiles
     table = torch.randperm(400, generator=g)[: -(-seq_len // BS)].tolist()

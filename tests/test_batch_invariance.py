@@ -111,6 +111,24 @@ def test_default_mode_greedy_cold_warm_batched(real_llm):
 
 
 @pytest.mark.model
+def test_mixed_mode_without_fp16_weights_keeps_fp32_weights_and_its_own_namespace(real_llm, monkeypatch):
+    """Where torch lacks the fp16-weight GEMM, ``mixed`` holds those weights in fp32: other bits, so
+    another cache namespace, and cold == warm still."""
+    import hotprefix.model.linear as linear
+
+    if real_llm.engine.runner.model.weight_mode != "mixed":
+        pytest.skip("the default here is not the mixed mode (no native bf16)")
+    monkeypatch.setattr(linear, "fp16_weights_available", lambda: False)
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2)
+    model = llm.engine.runner.model
+    assert model.weight_mode == "mixed" and "mixed-w32" in model.numerics
+    assert "mixed-w16" in real_llm.engine.runner.model.numerics
+    assert llm.engine.namespace != real_llm.engine.namespace
+    assert not any(isinstance(w, linear.Fp16Weight) for w in model.layers[0].values())
+    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("weights", ["int8", "int4", "dense"])
 def test_other_weight_modes_greedy_cold_warm_batched(weights):
     llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)

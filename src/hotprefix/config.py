@@ -70,8 +70,9 @@ class ModelConfig:
     ``bfloat16``, ``float16``. Every dtype is batch-invariant: cold and warm results are identical."""
     weights: str = "auto"
     """How the weights are held and multiplied: ``auto`` (``mixed`` in a 16-bit dtype, ``dense`` in
-    float32), ``mixed`` (the Q/K/V, gate/up and down projections in fp32, the rest in the compute
-    dtype: >= 99% top-1 agreement with fp32), ``dense``/``bf16`` (every GEMM in the compute dtype:
+    float32), ``mixed`` (every GEMM on fp32 activations, weights held in fp16 where torch has
+    FBGEMM, else fp32; attention in fp32 on CPU; the KV pool in the compute dtype: >= 99% top-1
+    agreement with fp32), ``dense``/``bf16`` (every GEMM in the compute dtype:
     the fastest prefill, about 1 point of top-1 below fp32 in bf16), ``int8`` (per-channel int8,
     weight-only) or ``int4`` (4-bit in groups of 32, the GGUF's Q4_1 layout). Quantized modes read
     fewer bytes per decoded token (CPU only). Every mode is batch-invariant; the quality of each is

@@ -99,8 +99,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
         self.capacity_tokens = self.num_blocks * bs
-        self.numerics = f"{str(self.dtype).replace('torch.', '')}/{self.model.weight_mode}"
-        """What the K/V values depend on besides the weights: compute dtype and weight mode."""
+        self.numerics = self.model.numerics
+        """What the K/V values depend on besides the weights (``LlamaModel.numerics``)."""
         log.info("weights: %s, %.1f MiB held; GEMMs padded to %d rows (batch-invariant)",
                  self.numerics, self.weights_bytes / 2**20, self.model.min_rows)
         log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s %s",

@@ -12,8 +12,14 @@ row-invariant only under two conditions, which every call here meets:
 - the keys of a call are padded (masked) to a multiple of ``KV_TILE``: the kernel walks keys in
   tiles of that size from position 0, so a query sees the same tiles in the same order whatever its
   context length or chunk, and fully masked tail tiles add exact zeros;
-- a call has at least ``MIN_Q_ROWS`` query rows (below that a different inner kernel runs): short
-  chunks and single decode tokens are padded with copies of their last row.
+- a call has at least ``min_q_rows(dtype)`` query rows (below that a different inner kernel runs):
+  short chunks and single decode tokens are padded with copies of their last row. It is
+  ``MIN_Q_ROWS`` in a 16-bit dtype and probed in fp32 (4 on this project's CPU).
+
+The arithmetic runs in the queries' dtype: K/V are read from the pool (bf16 in a 16-bit engine) and
+widened when the queries are fp32, which a CPU engine always passes (``attention_dtype``): on CPUs
+without AMX, torch's fp32 kernel is as fast as its bf16 one on prefill tiles and faster on the few
+rows of a decode step, and the probabilities are not rounded to bf16 before they weight V.
 
 ``tests/test_attention.py`` checks these properties on random tensors in every dtype we serve, and
 ``tests/test_batch_invariance.py`` checks them end to end. This module knows nothing about
@@ -22,6 +28,7 @@ requests, hashing or scheduling: only tensors and indices.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +37,8 @@ import torch.nn.functional as F
 KV_TILE = 512
 """Keys per tile of the fused kernel; every call's key count is a multiple of it."""
 MIN_Q_ROWS = 16
-"""Fewest query rows per call for the row-invariant kernel path."""
+"""Fewest query rows per call for the row-invariant kernel path in bf16/fp16, and the most that the
+fp32 probe (``min_q_rows``) may ask for."""
 Q_TILE = 512
 """Prefill query rows per call: a long chunk is attended in slices that each read only the keys up
 to their own last position (causal work, not the full square)."""
@@ -60,14 +68,15 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, L] bool, broadcast over heads and rows
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
-    _tiles: dict[int, list["PrefillTile"]] = field(default_factory=dict, compare=False, repr=False)
+    _tiles: dict[tuple[int, int], list["PrefillTile"]] = field(default_factory=dict, compare=False, repr=False)
 
-    def prefill_tiles(self, block_size: int) -> list["PrefillTile"]:
+    def prefill_tiles(self, block_size: int, dtype: torch.dtype) -> list["PrefillTile"]:
         """The prefill chunks' attention calls, planned once per forward pass: every layer makes
         the same calls, only the tensors differ."""
-        tiles = self._tiles.get(block_size)
+        key = (block_size, min_q_rows(dtype))
+        tiles = self._tiles.get(key)
         if tiles is None:
-            tiles = self._tiles[block_size] = [t for p in self.prefills for t in _plan_tiles(p, block_size)]
+            tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
         return tiles
 
 
@@ -84,12 +93,43 @@ class PrefillTile:
     mask: torch.Tensor
 
 
+@functools.cache
+def min_q_rows(dtype: torch.dtype) -> int:
+    """Fewest query rows of a call computed in ``dtype``: ``MIN_Q_ROWS`` in 16-bit dtypes; in
+    fp32, probed once per process: the fewest rows from which a query's output is the same as in a
+    call of 64 rows over three key tiles with a causal mask (the GEMM library may take another path
+    for one to three rows, and which rows it does so for depends on the CPU)."""
+    if dtype != torch.float32:
+        return MIN_Q_ROWS
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, n, 64, generator=g) for n in (64, 3 * KV_TILE, 3 * KV_TILE))
+    last = 3 * KV_TILE - 1  # every query is the last position: it sees every key tile
+
+    def row0(m: int) -> torch.Tensor:
+        mask = torch.arange(3 * KV_TILE).unsqueeze(0) <= torch.full((m, 1), last)
+        return F.scaled_dot_product_attention(q[:, :, :m], k, v, attn_mask=mask)[:, :, 0]
+
+    ref = row0(64)
+    need = MIN_Q_ROWS
+    for m in (8, 4, 3, 2, 1):
+        if not torch.equal(row0(m), ref):
+            break
+        need = m
+    return need
+
+
+def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in for an engine of ``dtype``: fp32 on CPU (see the module
+    docstring), the engine's dtype elsewhere (a GPU's fused kernels want 16-bit)."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def padded_len(n: int) -> int:
     """Key count of a call that must see ``n`` keys: the next multiple of KV_TILE."""
     return -(-n // KV_TILE) * KV_TILE
 
 
-def _plan_tiles(p: PrefillSeq, bs: int) -> list[PrefillTile]:
+def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int) -> list[PrefillTile]:
     """A chunk's calls: slices of ``Q_TILE`` query rows, each reading the keys up to its own last
     position, padded to whole KV tiles."""
     tiles = []
@@ -103,7 +143,7 @@ def _plan_tiles(p: PrefillSeq, bs: int) -> list[PrefillTile]:
         table = p.block_table[: keys // bs]
         if table.shape[0] * bs < keys:  # pad with any block: its keys are masked out
             table = torch.cat([table, table.new_zeros(keys // bs - table.shape[0])])
-        rows = max(n, MIN_Q_ROWS)
+        rows = max(n, min_rows)
         pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
         mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
         tiles.append(PrefillTile(r0, r1, rows, table, mask))
@@ -122,42 +162,44 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, nh, hd).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., nkv, nblocks * block_size, hd]."""
-    kv = cache[table]  # [..., nblocks, bs, nkv, hd]
-    return kv.flatten(-4, -3).transpose(-3, -2)
+def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, nblocks] block ids -> [B, nkv, nblocks * block_size, hd] in ``dtype``."""
+    nkv, hd = cache.shape[-2], cache.shape[-1]
+    kv = cache.index_select(0, table.reshape(-1)).to(dtype)  # index_select: 4x faster than cache[table]
+    return kv.view(table.shape[0], -1, nkv, hd).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
-    K/V of the current step must already be written to the pool.
+    K/V of the current step must already be written to the pool. The arithmetic runs in q's dtype.
     """
     out = torch.empty_like(q)
+    dt = q.dtype
     gqa = q.shape[1] != k_cache.shape[-2]
     nd = meta.num_decode
     if nd:
         # a decode token's query heads that share a KV head are the rows of one call (padded with
-        # copies to MIN_Q_ROWS): the same per-row arithmetic as a prefill, at 1/g of the padding
+        # copies to min_q_rows): the same per-row arithmetic as a prefill, at 1/g of the padding
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         g = q.shape[1] // nkv
-        rows = max(g, MIN_Q_ROWS)
+        rows = max(g, min_q_rows(dt))
         qd = q[:nd].view(nd, nkv, g, hd)
         if rows > g:
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
-        k = _gather(k_cache, meta.decode_block_tables)
-        v = _gather(v_cache, meta.decode_block_tables)
+        k = _gather(k_cache, meta.decode_block_tables, dt)
+        v = _gather(v_cache, meta.decode_block_tables, dt)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
-    for t in meta.prefill_tiles(k_cache.shape[1]):
+    for t in meta.prefill_tiles(k_cache.shape[1], dt):
         n = t.r1 - t.r0
         qp = q[t.r0:t.r1]
         if t.rows > n:
             qp = torch.cat([qp, qp[-1:].expand(t.rows - n, -1, -1)])
+        table = t.table.unsqueeze(0)
         o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
-                                           _gather(k_cache, t.table).unsqueeze(0),
-                                           _gather(v_cache, t.table).unsqueeze(0),
+                                           _gather(k_cache, table, dt), _gather(v_cache, table, dt),
                                            attn_mask=t.mask, scale=scale, enable_gqa=gqa)
         out[t.r0:t.r1] = o[0, :, :n].transpose(0, 1)
     return out

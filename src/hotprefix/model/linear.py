@@ -6,13 +6,20 @@ Weight modes (``--weights``):
 
 - ``dense`` (alias ``bf16``): weights in the compute dtype. On CPU in fp32 they are prepacked for
   oneDNN; in bf16 they go through oneDNN's AMX/AVX512-BF16 GEMM.
-- ``mixed`` (what ``auto`` means in a 16-bit dtype): dense, with the projections named by
-  ``llama.MIXED_FP32_GEMMS`` held and multiplied in fp32 (the quality-critical ones).
+- ``mixed`` (what ``auto`` means in a 16-bit dtype): the GEMMs named by ``llama.MIXED_FP32_GEMMS``
+  (all of them: Q/K/V, output, gate/up, down and the LM head) take fp32 activations and accumulate
+  in fp32, while the KV pool stays in the compute dtype. On an x86 CPU their weights are held in
+  fp16 and widened inside FBGEMM's GEMM (``torch.ops.quantized.linear_dynamic_fp16``): half the
+  bytes of fp32 read per decode step, at about fp32's prefill speed. It is the activations' rounding
+  to bf16 that costs quality, not the weights' (measured: the same top-1 with bf16-rounded weights
+  and fp32 activations as with fp32 weights). Where that kernel is missing, the weights are held in
+  fp32 (``high_linear``).
 - ``int8``: per-output-channel symmetric int8 with a scale per row (``torch._weight_int8pack_mm``):
   half the bytes of bf16 read per decode step.
 - ``int4``: asymmetric 4-bit in groups of 32 along the input dimension with a scale and an offset per
   group (``torch._weight_int4pack_mm_for_cpu``) -- the GGUF's own Q4_1 layout, so a Q4_1 checkpoint
-  is held at its own precision: about a quarter of the bytes of bf16.
+  keeps its 4-bit values (its scales and offsets rounded to the compute dtype): about a quarter of
+  the bytes of bf16. The kernel takes 16-bit activations only (fp32 runs ~50x slower).
 
 Every mode uses one kernel for every row of every step (prefill and decode alike), so cold == warm
 holds in each of them.
@@ -20,6 +27,7 @@ holds in each of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -122,13 +130,52 @@ def _int4_linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else y + b
 
 
+class Fp16Weight:
+    """A weight held in fp16 and packed for FBGEMM's fp16 x fp32 GEMM."""
+
+    __slots__ = ("packed", "nbytes")
+
+    def __init__(self, w: torch.Tensor):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
+        self.nbytes = w.numel() * 2
+
+
+def _fp16_linear(x: torch.Tensor, w: Fp16Weight, b: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.quantized.linear_dynamic_fp16(x, w.packed)
+    return y if b is None else y + b
+
+
+@functools.cache
+def fp16_weights_available() -> bool:
+    """Whether this torch build multiplies fp32 activations with fp16-held weights on CPU (FBGEMM,
+    x86 builds), checked on a small product against fp32 arithmetic on the fp16-rounded weight."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(24, 64, generator=g), torch.randn(3, 64, generator=g)
+        y = _fp16_linear(x, Fp16Weight(w), None)
+        return y.dtype == torch.float32 and torch.allclose(y, x @ w.half().float().T, atol=1e-4)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def high_linear(device: torch.device) -> tuple[Callable, Callable, str]:
+    """(pack, linear, tag) of the ``mixed`` mode's fp32-activation GEMMs: fp16-held weights on a
+    CPU whose torch has FBGEMM (tag ``w16``), fp32 weights elsewhere (tag ``w32``). The tag enters
+    the cache namespace: the two give different bits."""
+    if device.type == "cpu" and fp16_weights_available():
+        return Fp16Weight, _fp16_linear, "w16"
+    pack, linear = pick_weight_linear("dense", device, torch.float32)
+    return pack, linear, "w32"
+
+
 def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """The weight mode to run.
 
     ``auto`` is ``mixed`` when the compute dtype is 16-bit and ``dense`` in fp32: the default keeps
     >= 99% top-1 agreement with an fp32 reference (``benchmarks/bench_quality.py``). ``bf16`` means
-    dense (every GEMM in the compute dtype: the fastest to prefill, about 1 point of top-1 below fp32
-    in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU only.
+    dense (every GEMM in the compute dtype: the fastest to prefill on this project's CPU, about 1
+    point of top-1 below fp32 in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU
+    only.
     """
     if mode in ("auto", "mixed"):
         return "dense" if dtype == torch.float32 else "mixed"
@@ -156,6 +203,8 @@ def weight_bytes(packed) -> int:
     """Bytes held for one packed weight."""
     if isinstance(packed, tuple):
         return sum(weight_bytes(t) for t in packed)
+    if isinstance(packed, Fp16Weight):
+        return packed.nbytes
     if packed.is_mkldnn:
         return packed.numel() * packed.element_size()
     return packed.untyped_storage().nbytes()
