@@ -133,7 +133,7 @@ def test_mixed_mode_without_fp16_weights_keeps_fp32_weights_and_its_own_namespac
 def test_other_weight_modes_greedy_cold_warm_batched(weights):
     llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)
     assert llm.engine.runner.model.weight_mode == weights
-    assert llm.engine.runner.model.fp32_ops == frozenset()
+    assert llm.engine.runner.model.fp32_ops <= {"head"}
     _greedy_cold_warm(llm, QUESTIONS[:2], turns=1)  # quantized prefill is slower: fewer prompts
 
 

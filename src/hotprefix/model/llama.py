@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from hotprefix.model.attention import AttentionMetadata, attention_dtype, paged_attention, write_kv
-from hotprefix.model.linear import (high_linear, invariant_min_rows, pick_weight_linear,
-                                    resolve_weights, weight_bytes)
+from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
+                                    pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
 
 REFINE_TOP_K = 32
@@ -28,6 +28,12 @@ agreement with an fp32 reference (gate/up most, then Q/K/V and down). Q/K/V, gat
 alone reach 99.7% on the quality benchmark's 2,048 positions; the output projection and the LM head
 too, 99.95% (mean KL 2.6e-5), and with fp16-held weights the LM head streams faster at decode than
 in bf16 (measured with ``hotprefix.quality``)."""
+
+HEAD_FP32_GEMMS = frozenset({"head"})
+"""The GEMMs that the other 16-bit CPU modes (dense, int8, int4) run on fp32 inputs with fp16-held
+weights where torch has that kernel: only the LM head. It runs on a few rows a step (the logits
+rows), where it streams faster than a bf16 or int4 head, and its logits are those of fp32 inputs
+(an int4 head cost the int4 mode most of its KL divergence)."""
 
 
 class RotaryEmbedding:
@@ -63,7 +69,12 @@ class LlamaModel:
         self.arch = arch
         self.device, self.dtype = device, dtype
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
-        self.fp32_ops = MIXED_FP32_GEMMS if self.weight_mode == "mixed" else frozenset()
+        if self.weight_mode == "mixed":
+            self.fp32_ops = MIXED_FP32_GEMMS
+        elif dtype != torch.float32 and device.type == "cpu" and fp16_weights_available():
+            self.fp32_ops = HEAD_FP32_GEMMS
+        else:
+            self.fp32_ops = frozenset()
 
         def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=device, dtype=as_dtype).contiguous()
