@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotprefix.model.attention import (KV_TILE, AttentionMetadata, PrefillSeq,
+from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, PrefillSeq,
                                        paged_attention, padded_len)
 
 BS, NKV, HD, H = 16, 3, 64, 9
@@ -19,15 +19,15 @@ def _pool(dtype, nblocks=400, seed=0):  # the pool's dtype; queries may be wider
     return k, v
 
 
-def _prefill(q_all, k, v, table, start, n):
+def _prefill(q_all, k, v, table, start, n, scratch=None):
     """Attend the chunk [start, start + n) of one sequence (its queries are rows of q_all)."""
     nb = -(-(start + n) // BS)
     meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long),
                              prefills=[PrefillSeq(0, n, start + n, torch.tensor(table[:nb]))])
-    return paged_attention(q_all[start:start + n], k, v, meta, HD ** -0.5)
+    return paged_attention(q_all[start:start + n], k, v, meta, HD ** -0.5, scratch)
 
 
-def _decode(qs, k, v, tables, ctxs):
+def _decode(qs, k, v, tables, ctxs, scratch=None):
     nd = len(qs)
     keys = padded_len(max(ctxs))
     nb = keys // BS
@@ -35,7 +35,7 @@ def _decode(qs, k, v, tables, ctxs):
     mask = (torch.arange(keys)[None] < torch.tensor(ctxs)[:, None]).view(nd, 1, 1, keys)
     meta = AttentionMetadata(slot_mapping=torch.zeros(nd, dtype=torch.long), num_decode=nd,
                              decode_block_tables=table, decode_mask=mask)
-    return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5)
+    return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5, scratch)
 
 
 @pytest.mark.parametrize("pool_dtype,dtype", [(torch.float32, torch.float32),
@@ -93,3 +93,23 @@ def test_matches_reference_softmax_attention():
     ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
     assert KV_TILE % BS == 0
+
+
+@pytest.mark.parametrize("pool_dtype,dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+def test_gathers_into_reused_buffers_give_the_same_bits(pool_dtype, dtype, monkeypatch):
+    monkeypatch.setattr(GatherScratch, "STAGE_BLOCKS", 7)  # widen through several staging chunks
+    k, v = _pool(pool_dtype)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randperm(400, generator=g)[:80].tolist()
+    q = torch.randn(1200, H, HD, generator=g).to(dtype)
+    others = [torch.randperm(400, generator=g)[:60].tolist() for _ in range(2)]
+    scratch = GatherScratch()
+    held = []
+    for _ in range(2):  # the second round reuses the first round's buffers
+        for start, n in [(0, 1200), (700, 3)]:
+            assert torch.equal(_prefill(q, k, v, table, start, n, scratch), _prefill(q, k, v, table, start, n))
+        qs, ctxs = [q[5], q[900], q[30]], [700, 901, 31]
+        tables = [others[0], table, others[1]]
+        assert torch.equal(_decode(qs, k, v, tables, ctxs, scratch), _decode(qs, k, v, tables, ctxs))
+        held.append(scratch.nbytes())
+    assert held[0] == held[1] > 0  # no growth once the largest gather was seen

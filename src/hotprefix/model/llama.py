@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hotprefix.model.attention import AttentionMetadata, attention_dtype, paged_attention, write_kv
+from hotprefix.model.attention import (AttentionMetadata, GatherScratch, attention_dtype,
+                                       paged_attention, write_kv)
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
@@ -83,6 +84,7 @@ class LlamaModel:
         pack32, self.linear32, high_tag = (high_linear(device) if self.fp32_ops
                                            else (pack, self.linear, ""))
         self.attn_dtype = attention_dtype(device, dtype)
+        self.scratch = GatherScratch()  # attention's K/V gathers, reused across layers and steps
         attn = "" if self.attn_dtype == dtype else "/attn-" + str(self.attn_dtype).replace("torch.", "")
         self.numerics = f"{str(dtype).replace('torch.', '')}/{self.weight_mode}{'-' + high_tag if high_tag else ''}{attn}"
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
@@ -191,7 +193,7 @@ class LlamaModel:
             q = q.to(self.attn_dtype)  # the pool holds K/V in dt; attention may widen them
             v = v.view(n, a.num_kv_heads, a.head_dim).to(dt)
             write_kv(k_cache, v_cache, k.to(dt), v, meta)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
             if n > n_real:
                 o[n_real:] = 0  # padding rows attend to nothing
             h = h + self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float()
