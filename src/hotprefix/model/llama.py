@@ -85,8 +85,10 @@ class LlamaModel:
                                            else (pack, self.linear, ""))
         self.attn_dtype = attention_dtype(device, dtype)
         self.scratch = GatherScratch()  # attention's K/V gathers, reused across layers and steps
-        attn = "" if self.attn_dtype == dtype else "/attn-" + str(self.attn_dtype).replace("torch.", "")
-        self.numerics = f"{str(dtype).replace('torch.', '')}/{self.weight_mode}{'-' + high_tag if high_tag else ''}{attn}"
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        high = f"-{high_tag}" if high_tag else ""
+        attn = "" if self.attn_dtype == dtype else f"/attn-{name[self.attn_dtype]}"
+        self.numerics = f"{name[dtype]}/{self.weight_mode}{high}{attn}"
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), and the attention dtype when it differs."""
 
@@ -129,13 +131,13 @@ class LlamaModel:
         l0 = self.layers[0]
         probes = [("qkv", l0["qkv"], arch.hidden_size), ("down", l0["down"], arch.intermediate_size),
                   ("head", self.lm_head, arch.hidden_size)]
-        low = [(w, k) for op, w, k in probes if op not in self.fp32_ops]
-        self.min_rows = invariant_min_rows(self.linear, [w for w, _ in low], [k for _, k in low],
-                                           device, dtype)
-        high = [(w, k) for op, w, k in probes if op in self.fp32_ops]
-        if high:  # rows are padded to the larger of the two GEMM kinds' floors
-            self.min_rows = max(self.min_rows, invariant_min_rows(
-                self.linear32, [w for w, _ in high], [k for _, k in high], device, torch.float32))
+        # rows are padded to the larger of the two GEMM kinds' floors (a kind no GEMM uses has none)
+        self.min_rows = 1
+        for kind, lin, dt_ in ((False, self.linear, dtype), (True, self.linear32, torch.float32)):
+            mats = [(w, k) for op, w, k in probes if (op in self.fp32_ops) == kind]
+            if mats:
+                self.min_rows = max(self.min_rows, invariant_min_rows(
+                    lin, [w for w, _ in mats], [k for _, k in mats], device, dt_))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held for compute (the embedding table included)."""
