@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 GROUPS = [  # (group, substrings of operator names), first match wins
-    ("GEMM", ("linear", "mm", "_weight_int")),
+    ("GEMM", ("linear", "mm")),
     ("attention", ("scaled_dot_product",)),
-    ("KV pool gather / write", ("index_select", "index_copy", "index")),
+    ("KV pool gather / write", ("index",)),
 ]
 
 

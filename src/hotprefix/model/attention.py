@@ -164,13 +164,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, nh, hd).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, nblocks] block ids -> [B, nkv, nblocks * block_size, hd] in ``dtype``, in new memory."""
-    nkv, hd = cache.shape[-2], cache.shape[-1]
-    kv = cache.index_select(0, table.reshape(-1)).to(dtype)  # index_select: 4x faster than cache[table]
-    return kv.view(table.shape[0], -1, nkv, hd).transpose(1, 2)
-
-
 class GatherScratch:
     """Grow-only buffers that attention gathers K and V into, reused by every layer of every step.
 
@@ -196,7 +189,8 @@ class GatherScratch:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
     def gather(self, name: str, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """As ``_gather``, into buffer ``name`` (valid until its next gather)."""
+        """[B, nblocks] block ids -> [B, nkv, nblocks * block_size, hd] in ``dtype``, in buffer
+        ``name`` (valid until its next gather)."""
         nkv, hd = cache.shape[-2], cache.shape[-1]
         idx = table.reshape(-1)
         n, per = idx.numel(), cache[0].numel()
@@ -220,13 +214,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
     K/V of the current step must already be written to the pool. The arithmetic runs in q's dtype.
-    With ``scratch``, K/V are gathered into its reused buffers (the same bits).
+    K/V are gathered into ``scratch``'s buffers (a new one, and new memory, when none is given).
     """
     out = torch.empty_like(q)
     dt = q.dtype
-
-    def gather(name: str, cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        return _gather(cache, table, dt) if scratch is None else scratch.gather(name, cache, table, dt)
+    scratch = scratch or GatherScratch()
 
     gqa = q.shape[1] != k_cache.shape[-2]
     nd = meta.num_decode
@@ -239,8 +231,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qd = q[:nd].view(nd, nkv, g, hd)
         if rows > g:
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
-        k = gather("k", k_cache, meta.decode_block_tables)
-        v = gather("v", v_cache, meta.decode_block_tables)
+        k = scratch.gather("k", k_cache, meta.decode_block_tables, dt)
+        v = scratch.gather("v", v_cache, meta.decode_block_tables, dt)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
     for t in meta.prefill_tiles(k_cache.shape[1], dt):
@@ -250,7 +242,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qp = torch.cat([qp, qp[-1:].expand(t.rows - n, -1, -1)])
         table = t.table.unsqueeze(0)
         o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
-                                           gather("k", k_cache, table), gather("v", v_cache, table),
+                                           scratch.gather("k", k_cache, table, dt),
+                                           scratch.gather("v", v_cache, table, dt),
                                            attn_mask=t.mask, scale=scale, enable_gqa=gqa)
         out[t.r0:t.r1] = o[0, :, :n].transpose(0, 1)
     return out

@@ -85,10 +85,9 @@ class LlamaModel:
                                            else (pack, self.linear, ""))
         self.attn_dtype = attention_dtype(device, dtype)
         self.scratch = GatherScratch()  # attention's K/V gathers, reused across layers and steps
-        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
         high = f"-{high_tag}" if high_tag else ""
-        attn = "" if self.attn_dtype == dtype else f"/attn-{name[self.attn_dtype]}"
-        self.numerics = f"{name[dtype]}/{self.weight_mode}{high}{attn}"
+        attn = "" if self.attn_dtype == dtype else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}"
+        self.numerics = f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), and the attention dtype when it differs."""
 
