@@ -129,6 +129,19 @@ def test_mixed_mode_without_fp16_weights_keeps_fp32_weights_and_its_own_namespac
 
 
 @pytest.mark.model
+def test_torch_elementwise_path_has_its_own_namespace_and_cold_equals_warm(real_llm):
+    """Without the fused C kernels (no compiler, or turned off) torch ops run the elementwise work:
+    other RMSNorm and SiLU bits, so another namespace, and cold == warm there too."""
+    if real_llm.engine.runner.model.fused is None:
+        pytest.skip("the fused kernels did not build here: the default already runs torch ops")
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2, fused_kernels=False)
+    assert llm.engine.runner.model.fused is None
+    assert real_llm.engine.runner.numerics == llm.engine.runner.numerics + "/fused"
+    assert llm.engine.namespace != real_llm.engine.namespace
+    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("weights", ["int8", "int4", "dense"])
 def test_other_weight_modes_greedy_cold_warm_batched(weights):
     llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)

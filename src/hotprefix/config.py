@@ -84,6 +84,12 @@ class ModelConfig:
     slower). The default path is already batch-invariant (bit-identical logits whether a prefix came
     from cache or was computed, whatever shares the batch); this mode relies on no kernel property
     beyond "the same shapes give the same bits", as a reference to check the default against."""
+    fused_kernels: bool = True
+    """On CPU, run the decoder's elementwise work (residual add + RMSNorm, RoPE + the K/V write,
+    SiLU * up, K/V widening for attention) in hotprefix's own row-invariant C kernels, compiled
+    once per machine with the system C compiler and cached (``hotprefix.model.fused``); they cut a
+    batch-1 decode step's operator calls several-fold. Without a compiler, or when off, torch ops
+    run it. The two give different bits, so the cache namespace tells them apart."""
     enforce_eager: bool = False
     """No compiled or captured (CUDA graph) step, as vLLM's ``enforce_eager``. hotprefix's forward is
     always eager today, so either value runs the same code: the setting is accepted and recorded for

@@ -68,23 +68,39 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, L] bool, broadcast over heads and rows
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
-    _tiles: dict[tuple[int, int], list["PrefillTile"]] = field(default_factory=dict, compare=False, repr=False)
+    _tiles: dict[tuple[int, int, torch.dtype], list["PrefillTile"]] = field(
+        default_factory=dict, compare=False, repr=False)
+    _biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``decode_mask`` as the additive mask (0 / -inf in ``dtype``) the attention kernel turns a
+        bool mask into, made once per forward pass instead of once per layer (the same bits)."""
+        bias = self._biases.get(dtype)
+        if bias is None:
+            bias = self._biases[dtype] = additive_mask(self.decode_mask, dtype)
+        return bias
 
     def prefill_tiles(self, block_size: int, dtype: torch.dtype) -> list["PrefillTile"]:
         """The prefill chunks' attention calls, planned once per forward pass: every layer makes
         the same calls, only the tensors differ."""
-        key = (block_size, min_q_rows(dtype))
+        key = (block_size, min_q_rows(dtype), dtype)
         tiles = self._tiles.get(key)
         if tiles is None:
             tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
         return tiles
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as 0 / -inf in ``dtype``: what torch's attention converts a bool
+    mask to on every call."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 @dataclass(frozen=True)
 class PrefillTile:
     """One attention call of a prefill chunk: query rows ``r0:r1`` of the flat batch (padded to
     ``rows`` with copies of the last), the blocks holding its keys (a whole number of KV tiles) and
-    its causal mask ``[rows, keys]``."""
+    its causal mask ``[rows, keys]`` (additive, in the attention dtype)."""
 
     r0: int
     r1: int
@@ -131,7 +147,7 @@ def padded_len(n: int) -> int:
     return -(-n // KV_TILE) * KV_TILE
 
 
-def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int) -> list[PrefillTile]:
+def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int, dtype: torch.dtype) -> list[PrefillTile]:
     """A chunk's calls: slices of ``Q_TILE`` query rows, each reading the keys up to its own last
     position, padded to whole KV tiles."""
     tiles = []
@@ -148,7 +164,7 @@ def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int) -> list[PrefillTile]:
         rows = max(n, min_rows)
         pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
         mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
-        tiles.append(PrefillTile(r0, r1, rows, table, mask))
+        tiles.append(PrefillTile(r0, r1, rows, table, additive_mask(mask, dtype)))
     return tiles
 
 
@@ -170,13 +186,15 @@ class GatherScratch:
     A gather into new memory costs several times the copy itself in page faults once it is large:
     the K/V of a 64-row decode step at 2,560 keys took 49 ms a layer into new memory and 9 ms into
     a reused buffer (bf16, this project's CPU). The buffers grow to the largest step seen and stay
-    held. Widening to another dtype goes through a staging buffer of ``STAGE_BLOCKS`` blocks.
+    held. Widening to another dtype goes through a staging buffer of ``STAGE_BLOCKS`` blocks, or
+    in one pass through ``widen`` (``fused.FusedOps.gather_widen``: the same bits) to fp32.
     """
 
     STAGE_BLOCKS = 1024
 
-    def __init__(self):
+    def __init__(self, widen=None):
         self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.widen = widen
 
     def _take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._bufs.get((name, dtype))
@@ -198,6 +216,8 @@ class GatherScratch:
         out = self._take(name, n * per, dtype, cache.device).view(n, per)
         if dtype == cache.dtype:
             torch.index_select(flat, 0, idx, out=out)
+        elif self.widen is not None and dtype == torch.float32:
+            self.widen(flat, idx.contiguous(), out)
         else:
             stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, cache.dtype, cache.device)
             stage = stage.view(-1, per)
@@ -233,7 +253,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
         k = scratch.gather("k", k_cache, meta.decode_block_tables, dt)
         v = scratch.gather("v", v_cache, meta.decode_block_tables, dt)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_bias(dt), scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
     for t in meta.prefill_tiles(k_cache.shape[1], dt):
         n = t.r1 - t.r0

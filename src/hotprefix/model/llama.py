@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hotprefix.model.attention import (AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
+from hotprefix.model.fused import fused_ops
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
@@ -66,7 +67,7 @@ class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, weight_mode: str = "auto"):
+                 dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True):
         self.arch = arch
         self.device, self.dtype = device, dtype
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
@@ -84,12 +85,19 @@ class LlamaModel:
         pack32, self.linear32, high_tag = (high_linear(device) if self.fp32_ops
                                            else (pack, self.linear, ""))
         self.attn_dtype = attention_dtype(device, dtype)
-        self.scratch = GatherScratch()  # attention's K/V gathers, reused across layers and steps
+        # the elementwise work in fused C kernels where they build (fp32 attention: CPU only)
+        self.fused = (fused_ops(fused_kernels, device, dtype, arch.rms_norm_eps, arch.num_heads,
+                                arch.num_kv_heads, arch.head_dim)
+                      if self.attn_dtype == torch.float32 else None)
+        # attention's K/V gathers, reused across layers and steps
+        self.scratch = GatherScratch(self.fused.gather_widen if self.fused else None)
         high = f"-{high_tag}" if high_tag else ""
         attn = "" if self.attn_dtype == dtype else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}"
-        self.numerics = f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
+        self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
+                         + ("/fused" if self.fused else ""))
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
-        its fp32-input GEMMs hold weights), and the attention dtype when it differs."""
+        its fp32-input GEMMs hold weights), the attention dtype when it differs, and whether the
+        fused kernels ran the elementwise work (their RMSNorm and SiLU round differently)."""
 
         def pk(op: str, t: torch.Tensor):
             return pack32(t) if op in self.fp32_ops else pack(t)
@@ -174,7 +182,6 @@ class LlamaModel:
             [len(logits_rows), vocab_size] float32 logits.
         """
         a = self.arch
-        dt = self.dtype
         # the residual stream, norms and RoPE stay in fp32 whatever the compute dtype: only GEMM
         # and attention inputs are rounded to it (a bf16 residual loses ~2 points of top-1)
         n_real = input_ids.shape[0]
@@ -182,8 +189,51 @@ class LlamaModel:
             pad = input_ids.new_zeros(self.min_rows - n_real)
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
         h = F.embedding(input_ids, self.embed).float()
-        cos, sin = self.rope.tables(positions)
         n = input_ids.shape[0]
+        if self.fused is not None:
+            h = self._layers_fused(h, positions, kv_caches, meta, n_real)
+        else:
+            h = self._layers_torch(h, positions, kv_caches, meta, n_real)
+        h = h[logits_rows] if logits_rows is not None else h[:n_real]
+        if self.fused is not None:
+            h = self.fused.add_rms_norm(h.contiguous(), None, self.norm)
+        else:
+            h = _rms_norm(h, self.norm, a.rms_norm_eps)
+        logits = self._mm(h, self.lm_head, None, "head").float()
+        if self.head32 is not None:
+            # a bf16 logit is rounded to 8 bits (1/16 at 10): near-ties flip the argmax. The top
+            # candidates are recomputed in fp32 (row-local products and fixed-length sums)
+            top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices
+            exact = (self.head32[top] * h.unsqueeze(1)).sum(-1)
+            logits.scatter_(1, top, exact)
+        return logits
+
+    def _layers_fused(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+        """The decoder layers with the elementwise work in the fused kernels: per layer four GEMMs,
+        attention and four kernel calls."""
+        f, n = self.fused, h.shape[0]
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        pending = None  # the previous layer's MLP output, added by the next norm
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = f.add_rms_norm(h, pending, layer["in_norm"])
+            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv").float().contiguous()
+            q = f.rope_write_kv(qkv, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
+            if n > n_real:
+                o[n_real:] = 0  # padding rows attend to nothing
+            attn = self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float().contiguous()
+            x = f.add_rms_norm(h, attn, layer["post_norm"])
+            gate_up = self._mm(x, layer["gate_up"], None, "gate_up").float().contiguous()
+            pending = self._mm(f.silu_mul(gate_up), layer["down"], None, "down").float()
+        return h.add_(pending)
+
+    def _layers_torch(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+        """The decoder layers in torch ops (no C compiler, or the fused kernels turned off)."""
+        a, dt, n = self.arch, self.dtype, h.shape[0]
+        cos, sin = self.rope.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
             qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv")
@@ -201,13 +251,4 @@ class LlamaModel:
             x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps)
             gate, up = self._mm(x, layer["gate_up"], None, "gate_up").chunk(2, dim=-1)
             h = h + self._mm(F.silu(gate) * up, layer["down"], None, "down").float()
-        h = h[logits_rows] if logits_rows is not None else h[:n_real]
-        h = _rms_norm(h, self.norm, a.rms_norm_eps)
-        logits = self._mm(h, self.lm_head, None, "head").float()
-        if self.head32 is not None:
-            # a bf16 logit is rounded to 8 bits (1/16 at 10): near-ties flip the argmax. The top
-            # candidates are recomputed in fp32 (row-local products and fixed-length sums)
-            top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices
-            exact = (self.head32[top] * h.unsqueeze(1)).sum(-1)
-            logits.scatter_(1, top, exact)
-        return logits
+        return h

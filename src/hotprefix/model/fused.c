@@ -1,0 +1,141 @@
+/* Fused row-wise kernels of the decoder's elementwise work (see fused.py).
+ *
+ * Every row is computed by the same sequence of IEEE operations whatever the number of rows, the
+ * thread count or the vector width the compiler picks: sums run in LANES fixed lanes (lane j takes
+ * the elements j, j + LANES, ...) combined by a fixed tree, and the build turns off FMA
+ * contraction, so the bits are those of the C source on every x86 or ARM CPU. Rows are split
+ * over threads only when there are many of them; a row's arithmetic is the same either way.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define PAR_MIN_ROWS 32 /* fewer rows run on the calling thread */
+
+static float sum_squares(const float *x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[k + j] * x[k + j];
+    for (int j = 0; k < n; k++, j++) acc[j] += x[k] * x[k];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+/* h[r] += d[r] (when d is not NULL), then out[r] = h[r] / sqrt(mean(h[r]^2) + eps) * w. */
+void add_rms_norm(float *h, const float *d, const float *w, float *out, int64_t rows, int64_t dim,
+                  float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * dim;
+        if (d) {
+            const float *y = d + r * dim;
+            for (int64_t i = 0; i < dim; i++) x[i] = x[i] + y[i];
+        }
+        float inv = 1.0f / sqrtf(sum_squares(x, dim) / (float)dim + eps);
+        float *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = (x[i] * inv) * w[i];
+    }
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                    /* round to nearest even, as torch */
+    return (uint16_t)(u >> 16);
+}
+
+/* out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[half:], x[:half]] (Hugging Face). */
+static inline void rope(const float *x, const float *c, const float *s, float *out, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (int64_t i = half; i < hd; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+static inline void store(void *cache, int bf16, int64_t at, const float *x, int64_t n) {
+    if (bf16) {
+        uint16_t *c = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) c[i] = to_bf16(x[i]);
+    } else {
+        memcpy((float *)cache + at, x, n * sizeof(float));
+    }
+}
+
+/* qkv [rows, (nh + 2 nkv) hd] fp32 -> q_out [rows, nh, hd] fp32 with RoPE; K (RoPE) and V of the
+ * rows below n_slots with slot >= 0 written to the pool at slot (pool rows of nkv * hd, bf16 or
+ * fp32). cos/sin are [positions, hd] tables. */
+void rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                   const float *cos_t, const float *sin_t, const int64_t *pos, float *q_out,
+                   void *k_cache, void *v_cache, int bf16, const int64_t *slots, int64_t n_slots,
+                   int threads) {
+    int64_t width = (nh + 2 * nkv) * hd;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = qkv + r * width;
+        const float *c = cos_t + pos[r] * hd, *s = sin_t + pos[r] * hd;
+        for (int64_t h = 0; h < nh; h++) rope(x + h * hd, c, s, q_out + (r * nh + h) * hd, hd);
+        int64_t slot = r < n_slots ? slots[r] : -1;
+        if (slot < 0) continue;
+        float k[512];
+        for (int64_t h = 0; h < nkv; h++) {
+            rope(x + (nh + h) * hd, c, s, k, hd);
+            store(k_cache, bf16, (slot * nkv + h) * hd, k, hd);
+        }
+        store(v_cache, bf16, slot * nkv * hd, x + (nh + nkv) * hd, nkv * hd);
+    }
+}
+
+/* exp(x) by Cody-Waite range reduction and a degree-5 polynomial (Cephes expf): about 1 ulp,
+ * plain IEEE operations only, so it vectorizes and gives the same bits everywhere. */
+static inline float exp_poly(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x;
+    x = x < -87.3365447504019f ? -87.3365447504019f : x;
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick: plain adds, so the loop vectorizes */
+    float fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    x = x - fx * 0.693359375f;
+    x = x - fx * -2.12194440e-4f;
+    float z = x * x;
+    float y = 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    int32_t e = (int32_t)fx + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float p;
+    memcpy(&p, &bits, 4);
+    return y * p;
+}
+
+/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = silu(gate) * up. */
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+    }
+}
+
+/* Blocks table[0..n) of a pool [blocks, per] (bf16 or fp32) -> out [n, per] fp32. */
+void gather_widen(const void *cache, int bf16, const int64_t *table, int64_t n, int64_t per,
+                  float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * per >= (1 << 18))
+    for (int64_t b = 0; b < n; b++) {
+        float *o = out + b * per;
+        if (bf16) {
+            const uint16_t *c = (const uint16_t *)cache + table[b] * per;
+            for (int64_t i = 0; i < per; i++) {
+                uint32_t u = (uint32_t)c[i] << 16;
+                memcpy(o + i, &u, 4);
+            }
+        } else {
+            memcpy(o, (const float *)cache + table[b] * per, per * sizeof(float));
+        }
+    }
+}

@@ -1,0 +1,166 @@
+"""The decoder's elementwise work in fused C kernels (``fused.c``), called through ctypes.
+
+At batch 1 a decode step is mostly small operators: a layer ran about 200 torch calls (RMSNorm
+alone is seven, RoPE six, the K/V write and casts eight), each costing microseconds of dispatch
+and a pass over memory, against four GEMMs. Four kernels replace them:
+
+- ``add_rms_norm``: the residual add and the RMSNorm after it, in place on the residual stream;
+- ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's dtype and the write
+  through the slot mapping;
+- ``silu_mul``: SiLU(gate) * up;
+- ``gather_widen``: a sequence's K/V blocks read from a bf16 pool into fp32 for attention.
+
+Their arithmetic is row-local and in a fixed order (fixed lanes, a fixed combining tree, no FMA
+contraction), so a row's bits never depend on how many rows share the call, the thread count or the
+CPU: cold == warm holds, and a block computed on one machine matches another's. RoPE, the
+roundings and the widening give the torch path's exact bits; RMSNorm and SiLU do not (another
+summation order, another exp), so the numerics tag (cache namespace) says which path ran.
+
+The source is compiled once per machine with the system C compiler (``cc``) and cached under
+``~/.cache/hotprefix`` (or ``$HOTPREFIX_CACHE_DIR``), keyed by the source, the flags and the CPU.
+Where no compiler works, or ``ModelConfig.fused_kernels`` is off, the model runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hotprefix.model.dtype_probe import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
+          "-fPIC", "-shared"]
+"""No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
+the libgomp torch already loaded (same soname), so both share one thread pool."""
+MAX_HEAD_DIM = 512
+"""Largest head size ``rope_write_kv`` takes (its per-head scratch is on the stack)."""
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int],
+    "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
+    "gather_widen": [_P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int],
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HOTPREFIX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hotprefix")
+    return Path(root) / "kernels"
+
+
+def _build(cc: str) -> Path:
+    """Compile the source to a cached shared object (atomic rename: concurrent builds are safe)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version, " ".join(sorted(cpu_flags()))])
+                         .encode()).hexdigest()[:16]
+    for d in (_cache_dir(), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
+        out = d / f"fused-{key}.so"
+        if out.exists():
+            return out
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+            os.close(fd)
+        except OSError:
+            continue
+        try:
+            subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                           capture_output=True, text=True, timeout=300)
+            os.replace(tmp, out)
+            return out
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise OSError("no writable directory for the compiled kernels")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (logged once) where they cannot be built or loaded."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: the decoder's elementwise work runs as torch ops")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("fused kernels unavailable (%s): the elementwise work runs as torch ops", detail)
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedOps:
+    """The kernels bound to one model's shapes. Inputs must be contiguous fp32 on CPU."""
+
+    def __init__(self, lib: ctypes.CDLL, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.lib, self.eps = lib, eps
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+
+    @staticmethod
+    def threads() -> int:
+        return torch.get_num_threads()
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """``h += delta`` (in place; skipped when None), then RMSNorm(h) * w as a new tensor."""
+        out = torch.empty_like(h)
+        self.lib.add_rms_norm(h.data_ptr(), _ptr(delta), w.data_ptr(), out.data_ptr(), h.shape[0],
+                              h.shape[1], self.eps, self.threads())
+        return out
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+        """RoPE'd queries [rows, nh, hd] fp32; K (RoPE'd) and V written to the pool at ``slots``
+        (rows past it or with slot -1 are not written)."""
+        n = qkv.shape[0]
+        q = torch.empty(n, self.nh, self.hd, dtype=torch.float32)
+        self.lib.rope_write_kv(qkv.data_ptr(), n, self.nh, self.nkv, self.hd, cos.data_ptr(),
+                               sin.data_ptr(), positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                               v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+                               slots.data_ptr(), slots.shape[0], self.threads())
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(n, inter, dtype=torch.float32)
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, self.threads())
+        return out
+
+    def gather_widen(self, cache: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks ``idx`` (contiguous int64) of ``cache`` -> ``out`` [len(idx), per] fp32."""
+        self.lib.gather_widen(cache.data_ptr(), int(cache.dtype == torch.bfloat16), idx.data_ptr(),
+                              idx.numel(), cache[0].numel(), out.data_ptr(), self.threads())
+
+
+def fused_ops(enabled: bool, device: torch.device, pool_dtype: torch.dtype, eps: float,
+              num_heads: int, num_kv_heads: int, head_dim: int) -> FusedOps | None:
+    """The kernels for a model, or None where they do not apply (off, not on CPU, a pool dtype
+    they do not write, a head too large) or cannot be built."""
+    if not enabled or device.type != "cpu" or pool_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if head_dim > MAX_HEAD_DIM or head_dim % 2:
+        return None
+    lib = library()
+    return None if lib is None else FusedOps(lib, eps, num_heads, num_kv_heads, head_dim)

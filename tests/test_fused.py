@@ -1,0 +1,131 @@
+"""The fused C kernels (``hotprefix.model.fused``): the same bits as the torch ops where they
+promise it (RoPE, roundings, K/V write, widening), close to them where they do not (RMSNorm, SiLU),
+every row's bits independent of the rows beside it and of the thread count, and a clean fallback
+to torch ops where no compiler works."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hotprefix.model import fused
+from hotprefix.model.attention import AttentionMetadata, GatherScratch, write_kv
+from hotprefix.model.llama import RotaryEmbedding, _apply_rope
+
+NH, NKV, HD, DIM, INTER = 9, 3, 64, 576, 1536
+
+
+@pytest.fixture(scope="module")
+def ops():
+    f = fused.fused_ops(True, torch.device("cpu"), torch.bfloat16, 1e-5, NH, NKV, HD)
+    if f is None:
+        pytest.skip("no C compiler on this machine: the torch path runs (tested elsewhere)")
+    return f
+
+
+def _rows(n: int, width: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _rowwise_invariant(fn, x: torch.Tensor) -> None:
+    """fn on all rows at once (threaded), on each row alone, and on one thread: the same bits."""
+    whole = fn(x.clone())
+    for r in (0, 1, x.shape[0] // 2, x.shape[0] - 1):
+        assert torch.equal(fn(x[r:r + 1].clone())[0], whole[r]), r
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(fn(x.clone()), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_kv_write_give_the_torch_paths_bits(ops, pool_dtype):
+    n, blocks, bs = 40, 8, 16
+    qkv = _rows(n, (NH + 2 * NKV) * HD)
+    rope = RotaryEmbedding(HD, 10000.0, 4096, torch.device("cpu"), torch.float32)
+    pos = torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(1))
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(2))[: n - 4]
+    slots[3] = -1  # a padding row is not written; the last 4 rows have no slot at all
+    caches = [torch.full((blocks, bs, NKV, HD), 7.0, dtype=pool_dtype) for _ in range(4)]
+
+    q = ops.rope_write_kv(qkv, rope.cos, rope.sin, pos, caches[0], caches[1], slots)
+
+    cos, sin = rope.tables(pos)
+    qk = _apply_rope(qkv[:, : (NH + NKV) * HD].view(n, NH + NKV, HD), cos, sin)
+    v = qkv[:, (NH + NKV) * HD:].view(n, NKV, HD)
+    write_kv(caches[2], caches[3], qk[:, NH:].to(pool_dtype), v.to(pool_dtype),
+             AttentionMetadata(slot_mapping=slots, has_padding=True))
+    assert torch.equal(q, qk[:, :NH])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert (caches[0].view(-1, NKV, HD)[untouched] == 7).all()
+
+
+def test_add_rms_norm_adds_exactly_and_normalizes_row_invariantly(ops):
+    h, d, w = _rows(300, DIM), _rows(300, DIM, 1), _rows(1, DIM, 2)[0]
+    ref = F.rms_norm((h + d).double(), (DIM,), w.double(), 1e-5)
+    h2 = h.clone()
+    out = ops.add_rms_norm(h2, d, w)
+    assert torch.equal(h2, h + d)  # the residual add: one IEEE add, the same bits as torch's
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ops.add_rms_norm(h.clone(), None, w).double(),
+                          F.rms_norm(h.double(), (DIM,), w.double(), 1e-5), rtol=1e-5, atol=1e-6)
+    _rowwise_invariant(lambda x: ops.add_rms_norm(x, None, w), h)
+
+
+def test_silu_mul_is_close_to_torch_and_row_invariant(ops):
+    gu = _rows(100, 2 * INTER) * 4  # gates from about -40 to 40: both tails of the exp
+    gu[0, :8] = torch.tensor([-200.0, -88.0, -87.0, 0.0, -0.0, 87.0, 89.0, 200.0])
+    ref = (F.silu(gu[:, :INTER].double()) * gu[:, INTER:].double())
+    out = ops.silu_mul(gu)
+    assert out.shape == (100, INTER)
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-30)
+    _rowwise_invariant(ops.silu_mul, gu)
+
+
+def test_gather_widen_equals_index_select_then_float(ops):
+    pool = _rows(64, 16 * NKV * HD).to(torch.bfloat16).view(64, 16, NKV, HD)
+    table = torch.tensor([[5, 0, 63, 5], [1, 2, 3, 4]])
+    fast = GatherScratch(ops.gather_widen).gather("k", pool, table, torch.float32)
+    plain = GatherScratch().gather("k", pool, table, torch.float32)
+    ref = pool[table.reshape(-1)].float().view(2, -1, NKV, HD).transpose(1, 2)
+    assert torch.equal(fast, ref) and torch.equal(plain, ref)
+
+
+def test_off_or_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path, caplog):
+    cpu = torch.device("cpu")
+    assert fused.fused_ops(False, cpu, torch.bfloat16, 1e-5, NH, NKV, HD) is None
+    assert fused.fused_ops(True, cpu, torch.float16, 1e-5, NH, NKV, HD) is None  # pool it cannot write
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+    for cc in (str(tmp_path / "no-such-compiler"), "false"):
+        monkeypatch.setenv("CC", cc)
+        fused.library.cache_clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="hotprefix.model.fused"):
+                assert fused.fused_ops(True, cpu, torch.bfloat16, 1e-5, NH, NKV, HD) is None
+            assert "torch ops" in caplog.text
+        finally:
+            fused.library.cache_clear()
+    assert not list(tmp_path.rglob("*.so"))  # a failed build leaves nothing behind
+
+
+def test_builds_into_the_cache_dir_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+    fused.library.cache_clear()
+    try:
+        if fused.library() is None:
+            pytest.skip("no C compiler on this machine")
+        built = list(tmp_path.rglob("*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        fused.library.cache_clear()
+        assert fused.library() is not None
+        assert [p.stat().st_mtime_ns for p in tmp_path.rglob("*.so")] == [stamp]  # reused, not rebuilt
+    finally:
+        fused.library.cache_clear()
