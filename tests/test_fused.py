@@ -89,13 +89,16 @@ def test_silu_mul_is_close_to_torch_and_row_invariant(ops):
     _rowwise_invariant(ops.silu_mul, gu)
 
 
-def test_gather_widen_equals_index_select_then_float(ops):
-    pool = _rows(64, 16 * NKV * HD).to(torch.bfloat16).view(64, 16, NKV, HD)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_gather_widen_equals_index_select_then_float(ops, pool_dtype):
+    pools = [_rows(64, 16 * NKV * HD, s).to(pool_dtype).view(64, 16, NKV, HD) for s in (0, 1)]
     table = torch.tensor([[5, 0, 63, 5], [1, 2, 3, 4]])
-    fast = GatherScratch(ops.gather_widen).gather("k", pool, table, torch.float32)
-    plain = GatherScratch().gather("k", pool, table, torch.float32)
-    ref = pool[table.reshape(-1)].float().view(2, -1, NKV, HD).transpose(1, 2)
-    assert torch.equal(fast, ref) and torch.equal(plain, ref)
+    fast = GatherScratch(ops.gather_widen_kv).gather_kv(*pools, table, torch.float32)
+    for got, pool in zip(fast, pools):
+        ref = pool[table.reshape(-1)].float().view(2, -1, NKV, HD).transpose(1, 2)
+        assert torch.equal(got, ref)
+    plain = GatherScratch().gather_kv(*pools, table, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(fast, plain))
 
 
 def test_off_or_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path, caplog):
@@ -129,3 +132,26 @@ def test_builds_into_the_cache_dir_once(monkeypatch, tmp_path):
         assert [p.stat().st_mtime_ns for p in tmp_path.rglob("*.so")] == [stamp]  # reused, not rebuilt
     finally:
         fused.library.cache_clear()
+
+
+def test_decode_attention_skips_padding_blocks_with_the_same_bits(ops):
+    """Padding entries of a decode block table (``PAD_BLOCK``, keys masked) are not gathered by the
+    fused kernel: whatever finite K/V an earlier gather left there, the output is the torch path's."""
+    from hotprefix.model.attention import PAD_BLOCK, paged_attention, padded_len
+
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(300, 16, NKV, HD, generator=g).to(torch.bfloat16) for _ in range(2))
+    ctxs = [37, 600, 5]  # one step of three decodes: keys padded to 1,024 for all of them
+    keys = padded_len(max(ctxs))
+    tables = [torch.randperm(300, generator=g)[: -(-c // 16)].tolist() for c in ctxs]
+    table = torch.tensor([t + [PAD_BLOCK] * (keys // 16 - len(t)) for t in tables])
+    mask = (torch.arange(keys).unsqueeze(0) < torch.tensor(ctxs).unsqueeze(1)).view(3, 1, 1, keys)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1, 2]), num_decode=3,
+                             decode_block_tables=table, decode_mask=mask)
+    q = torch.randn(3, NH, HD, generator=g)
+    plain = paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, GatherScratch())
+    scratch = GatherScratch(ops.gather_widen_kv)
+    full = torch.randint(0, 300, table.shape, generator=g)  # fills every row of the buffers
+    scratch.gather_kv(k_cache * 50, v_cache * -50, full, torch.float32)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, scratch), plain)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, GatherScratch(ops.gather_widen_kv)), plain)

@@ -20,7 +20,7 @@ import torch
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.dtype_probe import probed_cpu_dtype
-from hotprefix.model.attention import AttentionMetadata, PrefillSeq, padded_len
+from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq, padded_len
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
 from hotprefix.sampling import sample
@@ -180,7 +180,7 @@ class ModelRunner:
         nd = len(decodes)
         keys = padded_len(max(c.start + 1 for c in decodes))
         nblocks = keys // bs
-        table = torch.tensor([bt[:nblocks] + [0] * (nblocks - min(len(bt), nblocks)) for bt in decode_tables],
+        table = torch.tensor([bt[:nblocks] + [PAD_BLOCK] * (nblocks - min(len(bt), nblocks)) for bt in decode_tables],
                              dtype=torch.long)
         ctx = torch.tensor([c.start + 1 for c in decodes])
         mask = (torch.arange(keys).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, keys)

@@ -42,6 +42,10 @@ fp32 probe (``min_q_rows``) may ask for."""
 Q_TILE = 512
 """Prefill query rows per call: a long chunk is attended in slices that each read only the keys up
 to their own last position (causal work, not the full square)."""
+PAD_BLOCK = -1
+"""Block-table entry past a sequence's blocks, where its keys are padded to a whole KV tile: those
+keys are masked. The fused gather skips such entries and leaves its buffer's earlier contents there
+(zeros or other K/V: finite, so a masked key adds an exact zero); the torch gather reads block 0."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,8 @@ def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int, dtype: torch.dtype) -> li
         first = past + r0 - p.q_start
         keys = padded_len(first + n)
         table = p.block_table[: keys // bs]
-        if table.shape[0] * bs < keys:  # pad with any block: its keys are masked out
-            table = torch.cat([table, table.new_zeros(keys // bs - table.shape[0])])
+        if table.shape[0] * bs < keys:  # padding entries: their keys are masked out
+            table = torch.cat([table, table.new_full((keys // bs - table.shape[0],), PAD_BLOCK)])
         rows = max(n, min_rows)
         pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
         mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
@@ -187,7 +191,8 @@ class GatherScratch:
     the K/V of a 64-row decode step at 2,560 keys took 49 ms a layer into new memory and 9 ms into
     a reused buffer (bf16, this project's CPU). The buffers grow to the largest step seen and stay
     held. Widening to another dtype goes through a staging buffer of ``STAGE_BLOCKS`` blocks, or
-    in one pass through ``widen`` (``fused.FusedOps.gather_widen``: the same bits) to fp32.
+    in one pass for K and V together through ``widen`` (``fused.FusedOps.gather_widen_kv``: the
+    same bits) to fp32.
     """
 
     STAGE_BLOCKS = 1024
@@ -199,33 +204,40 @@ class GatherScratch:
     def _take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._bufs.get((name, dtype))
         if buf is None or buf.numel() < numel or buf.device != device:
-            buf = self._bufs[(name, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+            # zeros: the rows of PAD_BLOCK entries are never written and must hold finite values
+            buf = self._bufs[(name, dtype)] = torch.zeros(numel, dtype=dtype, device=device)
         return buf[:numel]
 
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
-    def gather(self, name: str, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[B, nblocks] block ids -> [B, nkv, nblocks * block_size, hd] in ``dtype``, in buffer
-        ``name`` (valid until its next gather)."""
-        nkv, hd = cache.shape[-2], cache.shape[-1]
+    def gather_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, nblocks] block ids -> K and V, each [B, nkv, nblocks * block_size, hd] in ``dtype``,
+        in this scratch's buffers (valid until its next gather)."""
+        nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         idx = table.reshape(-1)
-        n, per = idx.numel(), cache[0].numel()
-        flat = cache.view(cache.shape[0], per)
-        out = self._take(name, n * per, dtype, cache.device).view(n, per)
-        if dtype == cache.dtype:
-            torch.index_select(flat, 0, idx, out=out)
-        elif self.widen is not None and dtype == torch.float32:
-            self.widen(flat, idx.contiguous(), out)
+        n, per = idx.numel(), k_cache[0].numel()
+        flats = [c.view(c.shape[0], per) for c in (k_cache, v_cache)]
+        outs = [self._take(name, n * per, dtype, k_cache.device).view(n, per) for name in "kv"]
+        if self.widen is not None and dtype == torch.float32 and dtype != k_cache.dtype:
+            self.widen(k_cache, v_cache, idx.contiguous(), *outs)  # skips PAD_BLOCK entries
+            return tuple(out.view(table.shape[0], -1, nkv, hd).transpose(1, 2) for out in outs)
+        idx = idx.clamp(min=0)  # PAD_BLOCK entries read block 0: masked all the same
+        if dtype == k_cache.dtype:
+            for flat, out in zip(flats, outs):
+                torch.index_select(flat, 0, idx, out=out)
         else:
-            stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, cache.dtype, cache.device)
+            stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, k_cache.dtype, k_cache.device)
             stage = stage.view(-1, per)
-            for s in range(0, n, self.STAGE_BLOCKS):
-                e = min(s + self.STAGE_BLOCKS, n)
-                torch.index_select(flat, 0, idx[s:e], out=stage[: e - s])
-                out[s:e].copy_(stage[: e - s])
-        return out.view(table.shape[0], -1, nkv, hd).transpose(1, 2)
+            for flat, out in zip(flats, outs):
+                for s in range(0, n, self.STAGE_BLOCKS):
+                    e = min(s + self.STAGE_BLOCKS, n)
+                    torch.index_select(flat, 0, idx[s:e], out=stage[: e - s])
+                    out[s:e].copy_(stage[: e - s])
+        k, v = (out.view(table.shape[0], -1, nkv, hd).transpose(1, 2) for out in outs)
+        return k, v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -251,8 +263,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qd = q[:nd].view(nd, nkv, g, hd)
         if rows > g:
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
-        k = scratch.gather("k", k_cache, meta.decode_block_tables, dt)
-        v = scratch.gather("v", v_cache, meta.decode_block_tables, dt)
+        k, v = scratch.gather_kv(k_cache, v_cache, meta.decode_block_tables, dt)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_bias(dt), scale=scale)
         out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
     for t in meta.prefill_tiles(k_cache.shape[1], dt):
@@ -260,10 +271,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qp = q[t.r0:t.r1]
         if t.rows > n:
             qp = torch.cat([qp, qp[-1:].expand(t.rows - n, -1, -1)])
-        table = t.table.unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0),
-                                           scratch.gather("k", k_cache, table, dt),
-                                           scratch.gather("v", v_cache, table, dt),
+        k, v = scratch.gather_kv(k_cache, v_cache, t.table.unsqueeze(0), dt)
+        o = F.scaled_dot_product_attention(qp.transpose(0, 1).unsqueeze(0), k, v,
                                            attn_mask=t.mask, scale=scale, enable_gqa=gqa)
         out[t.r0:t.r1] = o[0, :, :n].transpose(0, 1)
     return out

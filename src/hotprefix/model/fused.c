@@ -122,20 +122,37 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int thre
     }
 }
 
-/* Blocks table[0..n) of a pool [blocks, per] (bf16 or fp32) -> out [n, per] fp32. */
-void gather_widen(const void *cache, int bf16, const int64_t *table, int64_t n, int64_t per,
-                  float *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n * per >= (1 << 18))
-    for (int64_t b = 0; b < n; b++) {
-        float *o = out + b * per;
-        if (bf16) {
-            const uint16_t *c = (const uint16_t *)cache + table[b] * per;
-            for (int64_t i = 0; i < per; i++) {
-                uint32_t u = (uint32_t)c[i] << 16;
-                memcpy(o + i, &u, 4);
+/* Blocks table[0..n) of the K and V pools [blocks, bs, nkv, hd] (bf16 or fp32) -> k_out, v_out
+ * [n, bs, nkv, hd] fp32. Split over threads by KV head in contiguous ranges, as torch's attention
+ * splits its work, so each core writes the heads it then reads (no cache lines crossing cores). */
+void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
+                     int64_t n, int64_t bs, int64_t nkv, int64_t hd, float *k_out, float *v_out,
+                     int threads) {
+    int64_t per = bs * nkv * hd;
+    int t = threads < nkv ? threads : (int)nkv;
+    int64_t chunk = (nkv + t - 1) / t;
+#pragma omp parallel for schedule(static, 1) num_threads(t) if (t > 1)
+    for (int64_t part = 0; part < t; part++) {
+        int64_t h0 = part * chunk, h1 = h0 + chunk < nkv ? h0 + chunk : nkv;
+        for (int kv = 0; kv < 2; kv++) {
+            const void *cache = kv ? v_cache : k_cache;
+            float *out = kv ? v_out : k_out;
+            for (int64_t b = 0; b < n; b++) {
+                if (table[b] < 0) continue; /* padding past the sequence: masked, left as is */
+                for (int64_t s = 0; s < bs; s++) {
+                    int64_t src = table[b] * per + (s * nkv + h0) * hd, dst = b * per + (s * nkv + h0) * hd;
+                    int64_t len = (h1 - h0) * hd;
+                    if (bf16) {
+                        const uint16_t *c = (const uint16_t *)cache + src;
+                        for (int64_t j = 0; j < len; j++) {
+                            uint32_t u = (uint32_t)c[j] << 16;
+                            memcpy(out + dst + j, &u, 4);
+                        }
+                    } else {
+                        memcpy(out + dst, (const float *)cache + src, len * sizeof(float));
+                    }
+                }
             }
-        } else {
-            memcpy(o, (const float *)cache + table[b] * per, per * sizeof(float));
         }
     }
 }

@@ -8,7 +8,7 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 - ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's dtype and the write
   through the slot mapping;
 - ``silu_mul``: SiLU(gate) * up;
-- ``gather_widen``: a sequence's K/V blocks read from a bf16 pool into fp32 for attention.
+- ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 pool into fp32 for attention.
 
 Their arithmetic is row-local and in a fixed order (fixed lanes, a fixed combining tree, no FMA
 contraction), so a row's bits never depend on how many rows share the call, the thread count or the
@@ -52,7 +52,7 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int],
     "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
-    "gather_widen": [_P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int],
+    "gather_widen_kv": [_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
 }
 
 
@@ -148,10 +148,14 @@ class FusedOps:
         self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, self.threads())
         return out
 
-    def gather_widen(self, cache: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """Blocks ``idx`` (contiguous int64) of ``cache`` -> ``out`` [len(idx), per] fp32."""
-        self.lib.gather_widen(cache.data_ptr(), int(cache.dtype == torch.bfloat16), idx.data_ptr(),
-                              idx.numel(), cache[0].numel(), out.data_ptr(), self.threads())
+    def gather_widen_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
+                        k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Blocks ``idx`` (contiguous int64) of the pools [blocks, bs, nkv, hd] -> ``k_out``/``v_out``
+        [len(idx), bs * nkv * hd] fp32."""
+        self.lib.gather_widen_kv(k_cache.data_ptr(), v_cache.data_ptr(),
+                                 int(k_cache.dtype == torch.bfloat16), idx.data_ptr(), idx.numel(),
+                                 k_cache.shape[1], k_cache.shape[2], k_cache.shape[3],
+                                 k_out.data_ptr(), v_out.data_ptr(), self.threads())
 
 
 def fused_ops(enabled: bool, device: torch.device, pool_dtype: torch.dtype, eps: float,

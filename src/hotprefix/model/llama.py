@@ -90,7 +90,7 @@ class LlamaModel:
                                 arch.num_kv_heads, arch.head_dim)
                       if self.attn_dtype == torch.float32 else None)
         # attention's K/V gathers, reused across layers and steps
-        self.scratch = GatherScratch(self.fused.gather_widen if self.fused else None)
+        self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
         high = f"-{high_tag}" if high_tag else ""
         attn = "" if self.attn_dtype == dtype else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}"
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
