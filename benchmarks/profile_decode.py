@@ -1,7 +1,8 @@
 """Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
-and small ops), next to the step's wall time with and without the profiler (the difference is the
-profiler's own cost per operator call; what lies outside operators is Python).
+and small ops), plus the fused C kernels (timed around their ctypes calls: the profiler does not
+see them), next to the step's wall time with and without the profiler (the difference is the
+profiler's own cost per operator call; what lies outside both is Python).
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
 
@@ -32,6 +33,26 @@ def group_of(name: str) -> str:
     return "elementwise and small ops"
 
 
+def time_fused_kernels(model) -> tuple[list[float], list[int]]:
+    """Wrap the model's fused-kernel methods with a timer: ([seconds], [calls]) accumulate."""
+    seconds, count, fused = [0.0], [0], model.fused
+    if fused is None:
+        return seconds, count
+    for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
+        fn = getattr(fused, name)
+
+        def timed(*a, _fn=fn, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                seconds[0] += time.perf_counter() - t
+                count[0] += 1
+        setattr(fused, name, timed)
+    model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method itself
+    return seconds, count
+
+
 def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -51,6 +72,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
     llm.generate(ids, params, use_tqdm=False)  # warm-up
     eng = llm.engine
+    kernel_s, kernel_calls = time_fused_kernels(eng.runner.model)
 
     def decode_steps(profiler=None) -> tuple[float, int]:
         """(wall ms a decode step, steps) of one request, its prefill left out."""
@@ -69,12 +91,16 @@ def main() -> None:
 
     plain_ms, _ = decode_steps()
     prof = profile(activities=[ProfilerActivity.CPU])
+    kernel_s[0], kernel_calls[0] = 0.0, 0
     wall_ms, steps = decode_steps(prof)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     for ev in prof.key_averages():
         totals[group_of(ev.key)] += ev.self_cpu_time_total / 1000  # ms
         calls[group_of(ev.key)] += ev.count
+    if kernel_calls[0]:
+        totals["fused C kernels (ctypes calls included)"] = kernel_s[0] * 1000
+        calls["fused C kernels (ctypes calls included)"] = kernel_calls[0]
     op_ms = sum(totals.values()) / steps
     print(f"{eng.runner.numerics}, {args.context}-token context, batch 1, {steps} decode steps, "
           f"torch {torch.__version__}: {plain_ms:.1f} ms a step ({wall_ms:.1f} under the profiler, "
