@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, PrefillSeq,
+from hotprefix.model.attention import (KV_TILE, PAD_BLOCK, AttentionMetadata, GatherScratch, PrefillSeq,
                                        paged_attention, padded_len)
 
 BS, NKV, HD, H = 16, 3, 64, 9
@@ -29,12 +29,10 @@ def _prefill(q_all, k, v, table, start, n, scratch=None):
 
 def _decode(qs, k, v, tables, ctxs, scratch=None):
     nd = len(qs)
-    keys = padded_len(max(ctxs))
-    nb = keys // BS
-    table = torch.tensor([t[:nb] + [0] * (nb - min(len(t), nb)) for t in tables])
-    mask = (torch.arange(keys)[None] < torch.tensor(ctxs)[:, None]).view(nd, 1, 1, keys)
+    nb = padded_len(max(ctxs)) // BS
+    table = torch.tensor([t[:nb] + [PAD_BLOCK] * (nb - min(len(t), nb)) for t in tables])
     meta = AttentionMetadata(slot_mapping=torch.zeros(nd, dtype=torch.long), num_decode=nd,
-                             decode_block_tables=table, decode_mask=mask)
+                             decode_block_tables=table, decode_context_lens=list(ctxs))
     return paged_attention(torch.stack(qs), k, v, meta, HD ** -0.5, scratch)
 
 

@@ -141,13 +141,12 @@ def test_decode_attention_skips_padding_blocks_with_the_same_bits(ops):
 
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache = (torch.randn(300, 16, NKV, HD, generator=g).to(torch.bfloat16) for _ in range(2))
-    ctxs = [37, 600, 5]  # one step of three decodes: keys padded to 1,024 for all of them
+    ctxs = [37, 600, 5]  # one step of three decodes, in two attention calls (by key count)
     keys = padded_len(max(ctxs))
     tables = [torch.randperm(300, generator=g)[: -(-c // 16)].tolist() for c in ctxs]
     table = torch.tensor([t + [PAD_BLOCK] * (keys // 16 - len(t)) for t in tables])
-    mask = (torch.arange(keys).unsqueeze(0) < torch.tensor(ctxs).unsqueeze(1)).view(3, 1, 1, keys)
     meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1, 2]), num_decode=3,
-                             decode_block_tables=table, decode_mask=mask)
+                             decode_block_tables=table, decode_context_lens=ctxs)
     q = torch.randn(3, NH, HD, generator=g)
     plain = paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, GatherScratch())
     scratch = GatherScratch(ops.gather_widen_kv)

@@ -2,14 +2,15 @@
 teacher forcing over a short held-back text (the quality table of ``bench_quality.py``, in small).
 
 The thresholds are set to fail on a broken weight path (checked by hand with ``bench_quality.py
---break``, 256 positions of this text, the fused elementwise kernels on): fp32 scores 100% / KL
-2e-11, bf16 in the default ``mixed`` weights (fp32 inputs, fp16-held weights) 99.2% / KL 4.2e-5
-(its misses are near-ties), bf16 with every GEMM in bf16 (``dense``) 98.8% / KL 2.3e-4, int8
-93.4% / 3.4e-3, int4 97.7% / 3.2e-4 (the LM head of these three runs on fp32 inputs with
-fp16-held weights); with every matrix scaled by 1.01, fp32 falls to 95.7% / 1.9e-3, the default to
-94.9% / 2.0e-3, dense bf16 to 95.7% / 2.4e-3, int8 to 92.6% / 5.3e-3 and int4 to 94.9% / 2.1e-3;
-with one layer's MLP zeroed, all to about 77% / 0.1. Each mode's bounds sit between its own score
-and its score when broken (int8's top-1 barely separates them; its KL bound does).
+--break``, 256 positions of this text, with the fused elementwise kernels and 256-key attention
+tiles): fp32 scores 100% / KL 2e-11, bf16 in the default ``mixed`` weights (fp32 inputs,
+fp16-held weights) 99.2% / KL 4.0e-5 (its misses are near-ties), bf16 with every GEMM in bf16
+(``dense``) 98.4% / KL 2.4e-4, int8 94.1% / 3.4e-3, int4 98.0% / 3.3e-4 (the LM head of these
+three runs on fp32 inputs with fp16-held weights); with every matrix scaled by 1.01, fp32 falls to
+95.7% / 1.9e-3, the default to 94.9% / 2.0e-3, dense bf16 to 95.3% / 2.4e-3, int8 to 92.6% /
+5.4e-3 and int4 to 95.3% / 2.0e-3; with one layer's MLP zeroed, all to about 77% / 0.1. Each
+mode's bounds sit between its own score and its score when broken (int8's top-1 barely separates
+them; its KL bound does).
 """
 
 from __future__ import annotations

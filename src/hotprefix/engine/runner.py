@@ -135,7 +135,8 @@ class ModelRunner:
 
     def _run_batched(self, chunks, block_tables):
         bs, dev = self.block_size, self.device
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # decodes in order of context length: those with one key count are one attention call
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -172,22 +173,18 @@ class ModelRunner:
     def _batched_metadata(self, slots: list[int], decodes: list[ScheduledChunk],
                           decode_tables: list[list[int]], prefills: list[PrefillSeq]) -> AttentionMetadata:
         """The step's attention metadata, complete: slots, prefill sequences, and for the decodes
-        their block tables padded to a whole number of attention tiles, and masks."""
+        their context lengths and block tables (padded with PAD_BLOCK to the longest)."""
         bs, dev = self.block_size, self.device
         slot_mapping = torch.tensor(slots, device=dev)
         if not decodes:
             return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
-        nd = len(decodes)
-        keys = padded_len(max(c.start + 1 for c in decodes))
-        nblocks = keys // bs
+        ctx = [c.start + 1 for c in decodes]
+        nblocks = padded_len(max(ctx)) // bs
         table = torch.tensor([bt[:nblocks] + [PAD_BLOCK] * (nblocks - min(len(bt), nblocks)) for bt in decode_tables],
                              dtype=torch.long)
-        ctx = torch.tensor([c.start + 1 for c in decodes])
-        mask = (torch.arange(keys).unsqueeze(0) < ctx.unsqueeze(1)).view(nd, 1, 1, keys)
         return AttentionMetadata(
-            slot_mapping=slot_mapping, num_decode=nd, prefills=prefills,
-            decode_block_tables=table.to(dev),
-            decode_mask=mask.to(dev))
+            slot_mapping=slot_mapping, num_decode=len(decodes), prefills=prefills,
+            decode_block_tables=table.to(dev), decode_context_lens=ctx)
 
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""

@@ -9,9 +9,11 @@ the call, how the prompt was cut into chunks, whether its prefix came from the c
 the token is a prefill row or a decode row. torch's fused CPU attention (flash, online softmax) is
 row-invariant only under two conditions, which every call here meets:
 
-- the keys of a call are padded (masked) to a multiple of ``KV_TILE``: the kernel walks keys in
-  tiles of that size from position 0, so a query sees the same tiles in the same order whatever its
-  context length or chunk, and fully masked tail tiles add exact zeros;
+- a query at position ``p`` always attends exactly ``padded_len(p + 1)`` keys (the next multiple
+  of ``KV_TILE``; keys past ``p`` masked): the kernel's bits for a row depend on the key count (it
+  walks keys in splits of 512 with a partial last one), so the count is a function of the position
+  alone. A prefill chunk is cut at multiples of ``KV_TILE`` in position, so all rows of a call share
+  it, and decodes are grouped by it;
 - a call has at least ``min_q_rows(dtype)`` query rows (below that a different inner kernel runs):
   short chunks and single decode tokens are padded with copies of their last row. It is
   ``MIN_Q_ROWS`` in a 16-bit dtype and probed in fp32 (4 on this project's CPU).
@@ -34,14 +36,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-KV_TILE = 512
-"""Keys per tile of the fused kernel; every call's key count is a multiple of it."""
+KV_TILE = 256
+"""Key-count granularity: a query at position p attends ``padded_len(p + 1)`` keys, and a prefill
+call covers positions within one such tile. 256 measured fastest for prefill on this project's CPU
+(a 2,048-token chunk's attention: 41 ms a layer against 49 with 512 and 44 with 128) and halves a
+short-context decode's keys against 512."""
 MIN_Q_ROWS = 16
 """Fewest query rows per call for the row-invariant kernel path in bf16/fp16, and the most that the
 fp32 probe (``min_q_rows``) may ask for."""
-Q_TILE = 512
-"""Prefill query rows per call: a long chunk is attended in slices that each read only the keys up
-to their own last position (causal work, not the full square)."""
 PAD_BLOCK = -1
 """Block-table entry past a sequence's blocks, where its keys are padded to a whole KV tile: those
 keys are masked. The fused gather skips such entries and leaves its buffer's earlier contents there
@@ -68,21 +70,23 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long; -1 = padding, not written
     num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, L / block_size] long, L a multiple of KV_TILE
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, L] bool, broadcast over heads and rows
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, >= L / block_size] long, PAD_BLOCK past a sequence
+    decode_context_lens: list[int] = field(default_factory=list)  # keys each decode sees (itself included)
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
     _tiles: dict[tuple[int, int, torch.dtype], list["PrefillTile"]] = field(
         default_factory=dict, compare=False, repr=False)
-    _biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _groups: dict[tuple[int, torch.dtype], list["DecodeGroup"]] = field(
+        default_factory=dict, compare=False, repr=False)
 
-    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """``decode_mask`` as the additive mask (0 / -inf in ``dtype``) the attention kernel turns a
-        bool mask into, made once per forward pass instead of once per layer (the same bits)."""
-        bias = self._biases.get(dtype)
-        if bias is None:
-            bias = self._biases[dtype] = additive_mask(self.decode_mask, dtype)
-        return bias
+    def decode_groups(self, block_size: int, dtype: torch.dtype) -> list["DecodeGroup"]:
+        """The decodes' attention calls, planned once per forward pass: runs of consecutive decode
+        rows whose key counts (``padded_len`` of their context) are equal."""
+        key = (block_size, dtype)
+        groups = self._groups.get(key)
+        if groups is None:
+            groups = self._groups[key] = _plan_decode_groups(self, block_size, dtype)
+        return groups
 
     def prefill_tiles(self, block_size: int, dtype: torch.dtype) -> list["PrefillTile"]:
         """The prefill chunks' attention calls, planned once per forward pass: every layer makes
@@ -98,6 +102,17 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask (True = attend) as 0 / -inf in ``dtype``: what torch's attention converts a bool
     mask to on every call."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """One attention call of decode rows ``r0:r1`` sharing a key count: their block tables
+    ``[rows, keys / block_size]`` and additive masks ``[rows, 1, 1, keys]``."""
+
+    r0: int
+    r1: int
+    table: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -151,24 +166,53 @@ def padded_len(n: int) -> int:
     return -(-n // KV_TILE) * KV_TILE
 
 
+def _padded_table(table: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """The first ``nblocks`` entries of a block table, PAD_BLOCK past its end."""
+    table = table[..., :nblocks]
+    if table.shape[-1] < nblocks:  # padding entries: their keys are masked out
+        pad = table.new_full((*table.shape[:-1], nblocks - table.shape[-1]), PAD_BLOCK)
+        table = torch.cat([table, pad], -1)
+    return table
+
+
+def _plan_decode_groups(meta: AttentionMetadata, bs: int, dtype: torch.dtype) -> list[DecodeGroup]:
+    groups: list[DecodeGroup] = []
+    if not meta.num_decode:
+        return groups
+    ctx = meta.decode_context_lens
+    dev = meta.decode_block_tables.device
+    r0 = 0
+    while r0 < meta.num_decode:
+        keys = padded_len(ctx[r0])
+        r1 = r0 + 1
+        while r1 < meta.num_decode and padded_len(ctx[r1]) == keys:
+            r1 += 1
+        lens = torch.tensor(ctx[r0:r1], device=dev)
+        mask = (torch.arange(keys, device=dev).unsqueeze(0) < lens.unsqueeze(1)).view(r1 - r0, 1, 1, keys)
+        table = _padded_table(meta.decode_block_tables[r0:r1], keys // bs)
+        groups.append(DecodeGroup(r0, r1, table, additive_mask(mask, dtype)))
+        r0 = r1
+    return groups
+
+
 def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int, dtype: torch.dtype) -> list[PrefillTile]:
-    """A chunk's calls: slices of ``Q_TILE`` query rows, each reading the keys up to its own last
-    position, padded to whole KV tiles."""
+    """A chunk's calls: its rows cut at multiples of ``KV_TILE`` in position, each call reading
+    the keys up to the end of its tile (every row of it has that key count)."""
     tiles = []
     dev = p.block_table.device
     past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
-    for r0 in range(p.q_start, p.q_end, Q_TILE):
-        r1 = min(r0 + Q_TILE, p.q_end)
-        n = r1 - r0
+    r0 = p.q_start
+    while r0 < p.q_end:
         first = past + r0 - p.q_start
-        keys = padded_len(first + n)
-        table = p.block_table[: keys // bs]
-        if table.shape[0] * bs < keys:  # padding entries: their keys are masked out
-            table = torch.cat([table, table.new_full((keys // bs - table.shape[0],), PAD_BLOCK)])
+        keys = padded_len(first + 1)
+        r1 = min(p.q_end, r0 + keys - first)
+        n = r1 - r0
+        table = _padded_table(p.block_table, keys // bs)
         rows = max(n, min_rows)
         pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
         mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
         tiles.append(PrefillTile(r0, r1, rows, table, additive_mask(mask, dtype)))
+        r0 = r1
     return tiles
 
 
@@ -253,19 +297,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scratch = scratch or GatherScratch()
 
     gqa = q.shape[1] != k_cache.shape[-2]
-    nd = meta.num_decode
-    if nd:
+    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    g = q.shape[1] // nkv
+    rows = max(g, min_q_rows(dt))
+    for grp in meta.decode_groups(k_cache.shape[1], dt):
         # a decode token's query heads that share a KV head are the rows of one call (padded with
         # copies to min_q_rows): the same per-row arithmetic as a prefill, at 1/g of the padding
-        nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
-        g = q.shape[1] // nkv
-        rows = max(g, min_q_rows(dt))
-        qd = q[:nd].view(nd, nkv, g, hd)
+        nd = grp.r1 - grp.r0
+        qd = q[grp.r0:grp.r1].view(nd, nkv, g, hd)
         if rows > g:
             qd = torch.cat([qd, qd[:, :, -1:].expand(-1, -1, rows - g, -1)], 2)
-        k, v = scratch.gather_kv(k_cache, v_cache, meta.decode_block_tables, dt)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_bias(dt), scale=scale)
-        out[:nd] = o[:, :, :g].reshape(nd, nkv * g, hd)
+        k, v = scratch.gather_kv(k_cache, v_cache, grp.table, dt)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.mask, scale=scale)
+        out[grp.r0:grp.r1] = o[:, :, :g].reshape(nd, nkv * g, hd)
     for t in meta.prefill_tiles(k_cache.shape[1], dt):
         n = t.r1 - t.r0
         qp = q[t.r0:t.r1]

@@ -39,7 +39,7 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fused.c")
+SOURCES = [Path(__file__).with_name("fused.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
@@ -65,7 +65,7 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     """Compile the source to a cached shared object (atomic rename: concurrent builds are safe)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, version, " ".join(sorted(cpu_flags()))])
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *CFLAGS, version, " ".join(sorted(cpu_flags()))])
                          .encode()).hexdigest()[:16]
     for d in (_cache_dir(), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
         out = d / f"fused-{key}.so"
@@ -78,7 +78,7 @@ def _build(cc: str) -> Path:
         except OSError:
             continue
         try:
-            subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+            subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, text=True, timeout=300)
             os.replace(tmp, out)
             return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hotprefix.model.attention import (AttentionMetadata, GatherScratch, attention_dtype,
+from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
 from hotprefix.model.fused import fused_ops
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
@@ -92,12 +92,13 @@ class LlamaModel:
         # attention's K/V gathers, reused across layers and steps
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
         high = f"-{high_tag}" if high_tag else ""
-        attn = "" if self.attn_dtype == dtype else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}"
+        attn = f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
-        its fp32-input GEMMs hold weights), the attention dtype when it differs, and whether the
-        fused kernels ran the elementwise work (their RMSNorm and SiLU round differently)."""
+        its fp32-input GEMMs hold weights), the attention dtype and key tile (``KV_TILE``: a row's
+        key count), and whether the fused kernels ran the elementwise work (their RMSNorm and SiLU
+        round differently)."""
 
         def pk(op: str, t: torch.Tensor):
             return pack32(t) if op in self.fp32_ops else pack(t)
