@@ -154,3 +154,13 @@ def test_decode_attention_skips_padding_blocks_with_the_same_bits(ops):
     scratch.gather_kv(k_cache * 50, v_cache * -50, full, torch.float32)
     assert torch.equal(paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, scratch), plain)
     assert torch.equal(paged_attention(q, k_cache, v_cache, meta, HD ** -0.5, GatherScratch(ops.gather_widen_kv)), plain)
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model_dir):
+    """The fused RoPE reads its tables unchecked: a context longer than the model's RoPE table is
+    refused when the engine starts, not met as an out-of-range read."""
+    from hotprefix import LLM
+    from hotprefix.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len 4096 exceeds the model's 2048"):
+        LLM(tiny_model_dir, num_blocks=16, max_model_len=4096)

@@ -20,7 +20,7 @@ from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.state_dir import StateDir
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.cache.report import CacheReport
-from hotprefix.config import EngineConfig
+from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_io import open_tiers
@@ -87,6 +87,10 @@ class LLMEngine:
         # checked before the model loads, so an unusable directory fails fast
         state = StateDir(config.cache.state_dir) if config.cache.state_dir else None
         loaded = load_model(config.model.model)
+        asked = config.scheduler.max_model_len
+        if asked and asked > loaded.arch.max_position:
+            raise ConfigError(f"max_model_len {asked} exceeds the model's {loaded.arch.max_position} "
+                              "positions (its RoPE table); lower it")
         self.model_name = loaded.name
         self.model_path = loaded.path
         self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source)
