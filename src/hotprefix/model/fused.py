@@ -12,7 +12,8 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 
 Their arithmetic is row-local and in a fixed order (fixed lanes, a fixed combining tree, no FMA
 contraction), so a row's bits never depend on how many rows share the call, the thread count or the
-CPU: cold == warm holds, and a block computed on one machine matches another's. RoPE, the
+CPU (the kernels' own bits, that is: the GEMMs and attention around them are torch's): cold == warm
+holds. RoPE, the
 roundings and the widening give the torch path's exact bits; RMSNorm and SiLU do not (another
 summation order, another exp), so the numerics tag (cache namespace) says which path ran.
 
