@@ -101,6 +101,22 @@ def test_gather_widen_equals_index_select_then_float(ops, pool_dtype):
     assert all(torch.equal(a, b) for a, b in zip(fast, plain))
 
 
+@pytest.mark.parametrize("nkv", [1, 5])
+def test_large_gather_splits_over_threads_with_any_head_count(ops, nkv):
+    """Above the threshold the gather splits KV heads over threads (5 heads on 4 threads leaves
+    one thread nothing to do); the result is index_select's, widened."""
+    pools = [_rows(400, 16 * nkv * HD, s).to(torch.bfloat16).view(400, 16, nkv, HD) for s in (2, 3)]
+    table = torch.randperm(400, generator=torch.Generator().manual_seed(4)).view(1, 400)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = GatherScratch(ops.gather_widen_kv).gather_kv(*pools, table, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    for g, pool in zip(got, pools):
+        assert torch.equal(g, pool[table[0]].float().view(1, -1, nkv, HD).transpose(1, 2))
+
+
 def test_off_or_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path, caplog):
     cpu = torch.device("cpu")
     assert fused.fused_ops(False, cpu, torch.bfloat16, 1e-5, NH, NKV, HD) is None

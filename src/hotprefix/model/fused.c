@@ -137,6 +137,7 @@ void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const i
 #pragma omp parallel for schedule(static, 1) num_threads(t) if (t > 1)
     for (int64_t part = 0; part < t; part++) {
         int64_t h0 = part * chunk, h1 = h0 + chunk < nkv ? h0 + chunk : nkv;
+        if (h0 >= nkv) continue; /* more threads than head ranges (nkv = 5 on 4 threads) */
         for (int kv = 0; kv < 2; kv++) {
             const void *cache = kv ? v_cache : k_cache;
             float *out = kv ? v_out : k_out;
