@@ -180,3 +180,13 @@ def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="max_model_len 4096 exceeds the model's 2048"):
         LLM(tiny_model_dir, num_blocks=16, max_model_len=4096)
+
+
+def test_rope_kernel_refuses_positions_outside_its_tables(ops):
+    rope = RotaryEmbedding(HD, 10000.0, 64, torch.device("cpu"), torch.float32)
+    cache = torch.zeros(2, 16, NKV, HD, dtype=torch.bfloat16)
+    qkv = _rows(3, (NH + 2 * NKV) * HD)
+    with pytest.raises(IndexError, match="1 positions outside the model's 64"):
+        ops.rope_write_kv(qkv, rope.cos, rope.sin, torch.tensor([3, 64, 5]), cache, cache.clone(),
+                          torch.tensor([0, 1, 2]))
+    assert not cache.view(-1, NKV, HD)[1].any()  # the out-of-range row wrote nothing

@@ -31,6 +31,7 @@ requests, hashing or scheduling: only tensors and indices.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,7 @@ class AttentionMetadata:
     decode_context_lens: list[int] = field(default_factory=list)  # keys each decode sees (itself included)
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
-    _tiles: dict[tuple[int, int, torch.dtype], list["PrefillTile"]] = field(
+    _tiles: dict[tuple[int, torch.dtype], list["PrefillTile"]] = field(
         default_factory=dict, compare=False, repr=False)
     _groups: dict[tuple[int, torch.dtype], list["DecodeGroup"]] = field(
         default_factory=dict, compare=False, repr=False)
@@ -91,7 +92,7 @@ class AttentionMetadata:
     def prefill_tiles(self, block_size: int, dtype: torch.dtype) -> list["PrefillTile"]:
         """The prefill chunks' attention calls, planned once per forward pass: every layer makes
         the same calls, only the tensors differ."""
-        key = (block_size, min_q_rows(dtype), dtype)
+        key = (block_size, dtype)
         tiles = self._tiles.get(key)
         if tiles is None:
             tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
@@ -177,27 +178,21 @@ def _padded_table(table: torch.Tensor, nblocks: int) -> torch.Tensor:
 
 def _plan_decode_groups(meta: AttentionMetadata, bs: int, dtype: torch.dtype) -> list[DecodeGroup]:
     groups: list[DecodeGroup] = []
-    if not meta.num_decode:
-        return groups
-    ctx = meta.decode_context_lens
-    dev = meta.decode_block_tables.device
     r0 = 0
-    while r0 < meta.num_decode:
-        keys = padded_len(ctx[r0])
-        r1 = r0 + 1
-        while r1 < meta.num_decode and padded_len(ctx[r1]) == keys:
-            r1 += 1
-        lens = torch.tensor(ctx[r0:r1], device=dev)
-        mask = (torch.arange(keys, device=dev).unsqueeze(0) < lens.unsqueeze(1)).view(r1 - r0, 1, 1, keys)
+    for keys, run in itertools.groupby(meta.decode_context_lens[: meta.num_decode], key=padded_len):
+        lens = torch.tensor(list(run), device=meta.decode_block_tables.device)
+        r1 = r0 + len(lens)
+        mask = (torch.arange(keys, device=lens.device) < lens.unsqueeze(1)).view(len(lens), 1, 1, keys)
         table = _padded_table(meta.decode_block_tables[r0:r1], keys // bs)
         groups.append(DecodeGroup(r0, r1, table, additive_mask(mask, dtype)))
         r0 = r1
     return groups
 
 
-def _plan_tiles(p: PrefillSeq, bs: int, min_rows: int, dtype: torch.dtype) -> list[PrefillTile]:
+def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype) -> list[PrefillTile]:
     """A chunk's calls: its rows cut at multiples of ``KV_TILE`` in position, each call reading
     the keys up to the end of its tile (every row of it has that key count)."""
+    min_rows = min_q_rows(dtype)
     tiles = []
     dev = p.block_table.device
     past = p.context_len - (p.q_end - p.q_start)  # position of the chunk's first token
@@ -263,25 +258,30 @@ class GatherScratch:
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         idx = table.reshape(-1)
         n, per = idx.numel(), k_cache[0].numel()
-        flats = [c.view(c.shape[0], per) for c in (k_cache, v_cache)]
         outs = [self._take(name, n * per, dtype, k_cache.device).view(n, per) for name in "kv"]
         if self.widen is not None and dtype == torch.float32 and dtype != k_cache.dtype:
             self.widen(k_cache, v_cache, idx.contiguous(), *outs)  # skips PAD_BLOCK entries
-            return tuple(out.view(table.shape[0], -1, nkv, hd).transpose(1, 2) for out in outs)
-        idx = idx.clamp(min=0)  # PAD_BLOCK entries read block 0: masked all the same
-        if dtype == k_cache.dtype:
-            for flat, out in zip(flats, outs):
-                torch.index_select(flat, 0, idx, out=out)
         else:
-            stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, k_cache.dtype, k_cache.device)
-            stage = stage.view(-1, per)
-            for flat, out in zip(flats, outs):
-                for s in range(0, n, self.STAGE_BLOCKS):
-                    e = min(s + self.STAGE_BLOCKS, n)
-                    torch.index_select(flat, 0, idx[s:e], out=stage[: e - s])
-                    out[s:e].copy_(stage[: e - s])
+            self._gather_torch(k_cache, v_cache, idx.clamp(min=0), outs)  # PAD_BLOCK reads block 0
         k, v = (out.view(table.shape[0], -1, nkv, hd).transpose(1, 2) for out in outs)
         return k, v
+
+    def _gather_torch(self, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
+                      outs: list[torch.Tensor]) -> None:
+        """index_select into ``outs``; widened through the staging buffer when the dtypes differ."""
+        n, per = outs[0].shape
+        flats = [c.view(c.shape[0], per) for c in (k_cache, v_cache)]
+        if outs[0].dtype == k_cache.dtype:
+            for flat, out in zip(flats, outs):
+                torch.index_select(flat, 0, idx, out=out)
+            return
+        stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, k_cache.dtype, k_cache.device)
+        stage = stage.view(-1, per)
+        for flat, out in zip(flats, outs):
+            for s in range(0, n, self.STAGE_BLOCKS):
+                e = min(s + self.STAGE_BLOCKS, n)
+                torch.index_select(flat, 0, idx[s:e], out=stage[: e - s])
+                out[s:e].copy_(stage[: e - s])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -66,14 +66,19 @@ static inline void store(void *cache, int bf16, int64_t at, const float *x, int6
 
 /* qkv [rows, (nh + 2 nkv) hd] fp32 -> q_out [rows, nh, hd] fp32 with RoPE; K (RoPE) and V of the
  * rows below n_slots with slot >= 0 written to the pool at slot (pool rows of nkv * hd, bf16 or
- * fp32). cos/sin are [positions, hd] tables. */
-void rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
-                   const float *cos_t, const float *sin_t, const int64_t *pos, float *q_out,
-                   void *k_cache, void *v_cache, int bf16, const int64_t *slots, int64_t n_slots,
-                   int threads) {
-    int64_t width = (nh + 2 * nkv) * hd;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+ * fp32). cos/sin are [n_pos, hd] tables. Returns the number of rows whose position is outside
+ * them: those rows are skipped (nothing read or written), and the caller raises. */
+int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                      const float *cos_t, const float *sin_t, int64_t n_pos, const int64_t *pos,
+                      float *q_out, void *k_cache, void *v_cache, int bf16, const int64_t *slots,
+                      int64_t n_slots, int threads) {
+    int64_t width = (nh + 2 * nkv) * hd, bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS) reduction(+ : bad)
     for (int64_t r = 0; r < rows; r++) {
+        if (pos[r] < 0 || pos[r] >= n_pos) {
+            bad++;
+            continue;
+        }
         const float *x = qkv + r * width;
         const float *c = cos_t + pos[r] * hd, *s = sin_t + pos[r] * hd;
         for (int64_t h = 0; h < nh; h++) rope(x + h * hd, c, s, q_out + (r * nh + h) * hd, hd);
@@ -86,6 +91,7 @@ void rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int6
         }
         store(v_cache, bf16, slot * nkv * hd, x + (nh + nkv) * hd, nkv * hd);
     }
+    return bad;
 }
 
 /* exp(x) by Cody-Waite range reduction and a degree-5 polynomial (Cephes expf): about 1 ulp,

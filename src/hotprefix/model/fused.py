@@ -49,11 +49,12 @@ MAX_HEAD_DIM = 512
 """Largest head size ``rope_write_kv`` takes (its per-head scratch is on the stack)."""
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
-    "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int, _P, _I, ctypes.c_int],
-    "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
-    "gather_widen_kv": [_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+_SIGNATURES = {  # name -> (argument types, return type)
+    "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
+    "rope_write_kv": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _P, _I,
+                       ctypes.c_int], _I),
+    "silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
 }
 
 
@@ -102,9 +103,9 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("fused kernels unavailable (%s): the elementwise work runs as torch ops", detail)
         return None
-    for name, args in _SIGNATURES.items():
+    for name, (args, result) in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = result
     return lib
 
 
@@ -134,13 +135,17 @@ class FusedOps:
                       positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor) -> torch.Tensor:
         """RoPE'd queries [rows, nh, hd] fp32; K (RoPE'd) and V written to the pool at ``slots``
-        (rows past it or with slot -1 are not written)."""
+        (rows past it or with slot -1 are not written). A position outside the cos/sin tables
+        raises IndexError (the kernel checks each row and skips it)."""
         n = qkv.shape[0]
         q = torch.empty(n, self.nh, self.hd, dtype=torch.float32)
-        self.lib.rope_write_kv(qkv.data_ptr(), n, self.nh, self.nkv, self.hd, cos.data_ptr(),
-                               sin.data_ptr(), positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-                               v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-                               slots.data_ptr(), slots.shape[0], self.threads())
+        bad = self.lib.rope_write_kv(qkv.data_ptr(), n, self.nh, self.nkv, self.hd, cos.data_ptr(),
+                                     sin.data_ptr(), cos.shape[0], positions.data_ptr(), q.data_ptr(),
+                                     k_cache.data_ptr(), v_cache.data_ptr(),
+                                     int(k_cache.dtype == torch.bfloat16), slots.data_ptr(),
+                                     slots.shape[0], self.threads())
+        if bad:
+            raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
