@@ -49,7 +49,7 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
-WEIGHT_MODES = ("auto", "mixed", "dense", "bf16", "int8", "int4")
+WEIGHT_MODES = ("auto", "gguf", "mixed", "dense", "bf16", "int8", "int4")
 """Accepted ``ModelConfig.weights`` values (see ``hotprefix.model.linear``)."""
 
 
@@ -69,8 +69,11 @@ class ModelConfig:
     matmuls -- AMX or AVX512-BF16 -- float32 on other CPUs; the choice is logged), ``float32``,
     ``bfloat16``, ``float16``. Every dtype is batch-invariant: cold and warm results are identical."""
     weights: str = "auto"
-    """How the weights are held and multiplied: ``auto`` (``mixed`` in a 16-bit dtype, ``dense`` in
-    float32), ``mixed`` (every GEMM on fp32 activations, weights held in fp16 where torch has
+    """How the weights are held and multiplied: ``auto`` (on CPU in a 16-bit dtype ``gguf`` where
+    the CPU has AVX-512 VNNI and the model is a GGUF, else ``mixed``; ``dense`` in float32),
+    ``gguf`` (the GGUF file's own Q4_0/Q4_1/Q8_0 blocks, multiplied with activations rounded to
+    16-bit integers per block of 32: the fewest bytes read per token at fp32's top-1 agreement,
+    CPU only; tensors in other types run as ``mixed``), ``mixed`` (every GEMM on fp32 activations, weights held in fp16 where torch has
     FBGEMM, else fp32; attention in fp32 on CPU; the KV pool in the compute dtype: >= 99% top-1
     agreement with fp32), ``dense``/``bf16`` (every GEMM in the compute dtype:
     the fastest prefill, about 1 point of top-1 below fp32 in bf16), ``int8`` (per-channel int8,

@@ -89,7 +89,7 @@ class ModelRunner:
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
-                                model_cfg.fused_kernels)
+                                model_cfg.fused_kernels, loaded.blocks)
         self.block_size = bs = cache_cfg.block_size
         dbytes = torch.finfo(self.dtype).bits // 8
         self.bytes_per_token = arch.kv_bytes_per_token(dbytes)

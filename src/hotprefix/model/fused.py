@@ -40,7 +40,8 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("fused.c")]
+SOURCES = [Path(__file__).with_name("fused.c"), Path(__file__).with_name("qgemm.c")]
+"""The elementwise kernels, and the ``gguf`` weight mode's GEMM (``qlinear.py``)."""
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
@@ -55,6 +56,9 @@ _SIGNATURES = {  # name -> (argument types, return type)
                        ctypes.c_int], _I),
     "silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
     "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
+    "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
+    "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
+    "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
 }
 
 

@@ -177,6 +177,8 @@ def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     point of top-1 below fp32 in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU
     only.
     """
+    if mode == "auto" and dtype != torch.float32 and device.type == "cpu":
+        return "gguf"
     if mode in ("auto", "mixed"):
         return "dense" if dtype == torch.float32 else "mixed"
     if mode in ("bf16", "dense"):
@@ -193,7 +195,7 @@ def pick_weight_linear(mode: str, device: torch.device, dtype: torch.dtype) -> t
         return (lambda t: _pack_int8(t, dtype)), _int8_linear
     if mode == "int4":
         return (lambda t: _pack_int4(t, dtype)), _int4_linear
-    if mode not in ("dense", "mixed"):
+    if mode not in ("dense", "mixed", "gguf"):  # gguf: the tensors without blocks run as mixed
         raise ValueError(f"unknown weight mode {mode!r}")
     pack, linear = pick_linear(device, dtype)
     return (lambda t: pack(t.to(device=device, dtype=dtype).contiguous())), linear
@@ -203,7 +205,7 @@ def weight_bytes(packed) -> int:
     """Bytes held for one packed weight."""
     if isinstance(packed, tuple):
         return sum(weight_bytes(t) for t in packed)
-    if isinstance(packed, Fp16Weight):
+    if not isinstance(packed, torch.Tensor):  # Fp16Weight, qlinear.QuantWeight
         return packed.nbytes
     if packed.is_mkldnn:
         return packed.numel() * packed.element_size()

@@ -10,15 +10,20 @@ This module knows nothing about requests or the prefix cache.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
-from hotprefix.model.fused import fused_ops
+from hotprefix.model.fused import fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
+from hotprefix.model.qlinear import GGUF_TYPES, QUANT_NUMERICS, QuantLinear, QuantWeight, vnni_available
+
+log = logging.getLogger(__name__)
 
 REFINE_TOP_K = 32
 """Logits recomputed in fp32 per row when the LM head runs in bf16 or quantized (the rest keep
@@ -67,11 +72,23 @@ class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True):
+                 dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
+                 blocks: dict[str, tuple] | None = None):
         self.arch = arch
         self.device, self.dtype = device, dtype
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
-        if self.weight_mode == "mixed":
+        blocks = blocks or {}
+        # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py); the
+        # default only where the CPU runs its vector path, asked for anywhere the kernels build
+        qlib = library() if self.weight_mode == "gguf" and fused_kernels else None
+        if self.weight_mode == "gguf" and (qlib is None or not blocks or
+                                           (weight_mode == "auto" and not vnni_available())):
+            if weight_mode != "auto":
+                log.warning("weights='gguf' needs %s: running weights='mixed'",
+                            "the compiled kernels" if qlib is None else
+                            f"a GGUF model with {'/'.join(GGUF_TYPES)} tensors")
+            self.weight_mode = "mixed"
+        if self.weight_mode in ("mixed", "gguf"):
             self.fp32_ops = MIXED_FP32_GEMMS
         elif dtype != torch.float32 and device.type == "cpu" and fp16_weights_available():
             self.fp32_ops = HEAD_FP32_GEMMS
@@ -84,6 +101,8 @@ class LlamaModel:
         pack, self.linear = pick_weight_linear(self.weight_mode, device, dtype)
         pack32, self.linear32, high_tag = (high_linear(device) if self.fp32_ops
                                            else (pack, self.linear, ""))
+        if self.weight_mode == "gguf":
+            self.linear32 = QuantLinear(qlib, self.linear32)
         self.attn_dtype = attention_dtype(device, dtype)
         # the elementwise work in fused C kernels where they build (fp32 attention: CPU only)
         self.fused = (fused_ops(fused_kernels, device, dtype, arch.rms_norm_eps, arch.num_heads,
@@ -91,7 +110,7 @@ class LlamaModel:
                       if self.attn_dtype == torch.float32 else None)
         # attention's K/V gathers, reused across layers and steps
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
-        high = f"-{high_tag}" if high_tag else ""
+        high = (f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "") + (f"-{high_tag}" if high_tag else "")
         attn = f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))
@@ -100,11 +119,11 @@ class LlamaModel:
         key count), and whether the fused kernels ran the elementwise work (their RMSNorm and SiLU
         round differently)."""
 
-        def pk(op: str, t: torch.Tensor):
+        def pk(op: str, names: list[str]):
+            if self.weight_mode == "gguf" and all(n in blocks for n in names):
+                return QuantWeight([blocks[n] for n in names], weights[names[0]].shape[1])
+            t = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names], 0)
             return pack32(t) if op in self.fp32_ops else pack(t)
-
-        def cat(names: list[str], op: str):
-            return pk(op, torch.cat([weights[n] for n in names], 0))
 
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
         # an fp32 copy of the LM head when the GEMMs are not fp32: the top logits are refined with it
@@ -114,17 +133,17 @@ class LlamaModel:
         self.embed = (self.head32 if arch.tie_word_embeddings and self.head32 is not None
                       else take("model.embed_tokens.weight"))
         self.norm = take("model.norm.weight", torch.float32)
-        self.lm_head = pk("head", weights[head])
+        self.lm_head = pk("head", [head])
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             layer = {
                 "in_norm": take(p + "input_layernorm.weight", torch.float32),
                 "post_norm": take(p + "post_attention_layernorm.weight", torch.float32),
-                "qkv": cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"], "qkv"),
-                "o": pk("o", weights[p + "self_attn.o_proj.weight"]),
-                "gate_up": cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "gate_up"),
-                "down": pk("down", weights[p + "mlp.down_proj.weight"]),
+                "qkv": pk("qkv", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                "o": pk("o", [p + "self_attn.o_proj.weight"]),
+                "gate_up": pk("gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down": pk("down", [p + "mlp.down_proj.weight"]),
                 "qkv_bias": None,
             }
             if arch.attention_bias:

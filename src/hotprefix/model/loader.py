@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
                                       resolve_model_path)
+from hotprefix.model.qlinear import BLOCK, GGUF_TYPES
 
 __all__ = ["DEFAULT_MODEL_FILE", "SUPPORTED_ARCHS", "LoadedModel", "ModelArch", "ModelLoadError",
            "default_model_path", "load_model", "resolve_model_path"]
@@ -75,6 +76,10 @@ class LoadedModel:
     path: str
     tokenizer_source: str
     name: str
+    blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    """A GGUF's block-quantized matrices as stored (HF name -> (GGUF type, raw bytes [rows, bytes a
+    row]), Q/K rows in the same order as ``weights``): the ``gguf`` weight mode multiplies with
+    them (``qlinear.GGUF_TYPES``)."""
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -165,6 +170,7 @@ def _load_gguf(path: str) -> LoadedModel:
     permuted = a in ("llama", "mistral", "smollm")  # llama.cpp permutes Q/K for these, not for qwen2
 
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
         try:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -192,10 +198,15 @@ def _load_gguf(path: str) -> LoadedModel:
         else:
             continue
         weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+        if t.tensor_type.name in GGUF_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0:
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            if permuted and name.startswith("blk.") and kind in ("attn_q", "attn_k"):
+                raw = _unpermute(raw, n_heads if kind == "attn_q" else n_kv)
+            blocks[hf] = (t.tensor_type.name, np.ascontiguousarray(raw))
     _check_weights(arch, weights, path)
     fp = _file_digest([path], json.dumps(arch.__dict__, sort_keys=True))
     name = str(field("general.name") or os.path.basename(path))
-    return LoadedModel(arch, weights, fp, path, path, name)
+    return LoadedModel(arch, weights, fp, path, path, name, blocks)
 
 
 # --------------------------------------------------------------------------- HF directory

@@ -1,0 +1,222 @@
+/* GEMM on GGUF block-quantized weights with 16-bit integer activations (see qlinear.py).
+ *
+ * y[r][n] = sum over 32-wide blocks b of  sa[r][b] * (d[n][b] * S + m[n][b] * sq[r][b])
+ * where S = sum_i q[n][32b + i] * qa[r][32b + i] is an exact integer (|S| < 2^24), qa the row's
+ * activations rounded to int16 with one scale sa per block, sq the sum of a block's qa, and the
+ * weight w = d * q + m (GGUF Q4_1; Q4_0 has m = -8d, Q8_0 has m = 0). Integer sums are exact in
+ * any order, and each output's float operations run in one fixed sequence (two FMAs and a product
+ * per block, blocks in order), so a row's bits do not depend on how many rows share the call, the
+ * tiling, the thread count or the vector width: the AVX-512 VNNI path and the portable C path give
+ * the same bits.
+ *
+ * Weight layout (qlinear.pack_blocks): outputs in groups of 16 (one lane each), per group and
+ * block 256 bytes of 4-bit values or 512 of 8-bit ones, then 16 fp16 d and 16 fp16 m. In the 4-bit
+ * layout byte p of chunk j (j < 8) holds, for lane p / 2, the value of input 2j + p % 2 in its low
+ * nibble and of input 2j + 16 + p % 2 in its high nibble; in the 8-bit layout byte p of chunk j
+ * (j < 16) is input 2j + p % 2 of lane p / 2.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QG_VNNI 1
+#endif
+
+#define QG_BLOCK 32
+#define QG_LANES 16
+#define QG_ROWS 6        /* rows sharing one pass over a weight block */
+#define QG_ROW_CHUNK 48  /* rows whose activations stay in cache while the groups stream */
+#define QG_QMAX 32767.0f
+#define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* x [rows][k] fp32 -> qa [rows][k] int16, sa and sq [rows][k / 32]. */
+void qg_quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows, int64_t k,
+                      int threads) {
+    const int64_t nb = k / QG_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QG_BLOCK;
+            int16_t *q = qa + r * k + b * QG_BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < QG_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            int32_t sum = 0;
+            if (amax > 0.0f && isfinite(amax)) {
+                float inv = QG_QMAX / amax;
+                for (int i = 0; i < QG_BLOCK; i++) {
+                    float t = rintf(v[i] * inv);
+                    t = fminf(fmaxf(t, -QG_QMAX), QG_QMAX);
+                    q[i] = (int16_t)t;
+                    sum += q[i];
+                }
+                sa[r * nb + b] = amax / QG_QMAX;
+            } else {
+                memset(q, 0, QG_BLOCK * sizeof(int16_t));
+                sa[r * nb + b] = amax > 0.0f ? amax : 0.0f; /* inf/nan propagate through the scale */
+            }
+            sq[r * nb + b] = (float)sum;
+        }
+    }
+}
+
+/* One group of 16 outputs for rows [0, nr) of a tile: the portable reference. */
+static void group_rows_c(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+                         const float *sa, const float *sq, int64_t k, int nr, float *y,
+                         int64_t ldy, int lanes) {
+    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    for (int r = 0; r < nr; r++) {
+        float acc[QG_LANES] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = wg + b * stride;
+            const uint16_t *dh = (const uint16_t *)(blk + qbytes), *mh = dh + QG_LANES;
+            const int16_t *a = qa + r * k + b * QG_BLOCK;
+            for (int l = 0; l < QG_LANES; l++) {
+                int32_t s = 0;
+                for (int i = 0; i < QG_BLOCK; i++) {
+                    int pair = i / 2, e = i % 2, q;
+                    if (bits == 4) {
+                        int j = pair % 8, hi = pair / 8;
+                        uint8_t byte = blk[32 * j + 2 * l + e];
+                        q = hi ? byte >> 4 : byte & 0x0f;
+                    } else {
+                        q = (int8_t)blk[32 * pair + 2 * l + e];
+                    }
+                    s += q * a[i];
+                }
+                float c = fmaf(half_to_float(dh[l]), (float)s, half_to_float(mh[l]) * sq[r * nb + b]);
+                acc[l] = fmaf(sa[r * nb + b], c, acc[l]);
+            }
+        }
+        for (int l = 0; l < lanes; l++) y[r * ldy + l] = acc[l];
+    }
+}
+
+#ifdef QG_VNNI
+static inline __attribute__((always_inline)) void group_rows_vnni(
+    const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
+    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes) {
+    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    const __m512i low4 = _mm512_set1_epi16(0x0f);
+    /* one row alone waits on its accumulators' latency: give it four chains; many rows have
+     * enough chains between them (and registers for no more) */
+    const int chains = nr == 1 ? 4 : nr == 2 ? 2 : 1;
+    __m512 acc[QG_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * stride;
+        /* several independent integer chains per row (a VNNI op waits for the previous one on
+         * its accumulator); integer sums are exact, so how they are split changes no bits */
+        __m512i s[QG_ROWS][QG_CHAINS];
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int j = 0; j < 8; j++) {
+                __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+                __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_srli_epi16(w, 4);
+                const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
+                for (int r = 0; r < nr; r++) {
+                    const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
+                    int32_t p0, p1;
+                    memcpy(&p0, a, 4);
+                    memcpy(&p1, a + 16, 4);
+                    s[r][c] = _mm512_dpwssd_epi32(s[r][c], lo, _mm512_set1_epi32(p0));
+                    s[r][c1] = _mm512_dpwssd_epi32(s[r][c1], hi, _mm512_set1_epi32(p1));
+                }
+            }
+        } else {
+            for (int j = 0; j < 16; j++) {
+                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+                const int c = j % chains;
+                for (int r = 0; r < nr; r++) {
+                    int32_t p;
+                    memcpy(&p, qa + r * k + b * QG_BLOCK + 2 * j, 4);
+                    s[r][c] = _mm512_dpwssd_epi32(s[r][c], w, _mm512_set1_epi32(p));
+                }
+            }
+        }
+        __m512i t[QG_ROWS];
+        for (int r = 0; r < nr; r++) {
+            t[r] = s[r][0];
+            for (int c = 1; c < chains; c++) t[r] = _mm512_add_epi32(t[r], s[r][c]);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
+        for (int r = 0; r < nr; r++) {
+            __m512 c = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(t[r]),
+                                       _mm512_mul_ps(m, _mm512_set1_ps(sq[r * nb + b])));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[r * nb + b]), c, acc[r]);
+        }
+    }
+    __mmask16 mask = (__mmask16)((1u << lanes) - 1);
+    for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+}
+
+#define QG_CASE(B, R) \
+    case R: group_rows_vnni(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes); break;
+static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+                       const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
+                       int lanes) {
+    if (bits == 4) {
+        switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6) }
+    } else {
+        switch (nr) { QG_CASE(8, 1) QG_CASE(8, 2) QG_CASE(8, 3) QG_CASE(8, 4) QG_CASE(8, 5) QG_CASE(8, 6) }
+    }
+}
+#else
+#define group_rows group_rows_c
+#endif
+
+/* y [rows][n] = the block-quantized product described above. */
+void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa, const float *sa,
+             const float *sq, int64_t rows, float *y, int threads) {
+    const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
+    const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
+    const int64_t chunks = (rows + QG_ROW_CHUNK - 1) / QG_ROW_CHUNK;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 4096)
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r1 = (c + 1) * QG_ROW_CHUNK < rows ? (c + 1) * QG_ROW_CHUNK : rows;
+            const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+            for (int64_t r = c * QG_ROW_CHUNK; r < r1; r += QG_ROWS) {
+                int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
+                group_rows(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
+                           y + r * n + g * QG_LANES, n, lanes);
+            }
+        }
+    }
+}
+
+/* The portable path on the same data, for tests: it must give the vector path's bits. */
+void qg_gemm_reference(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa,
+                       const float *sa, const float *sq, int64_t rows, float *y) {
+    const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
+    const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
+    for (int64_t g = 0; g < groups; g++) {
+        const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+        for (int64_t r = 0; r < rows; r++)
+            group_rows_c(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, 1,
+                         y + r * n + g * QG_LANES, n, lanes);
+    }
+}
