@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
-and small ops), plus the fused C kernels (timed around their ctypes calls: the profiler does not
-see them), next to the step's wall time with and without the profiler (the difference is the
+and small ops), plus the C kernels (the fused elementwise ones and the ``gguf`` mode's block GEMMs, timed around
+their ctypes calls: the profiler does not see them), next to the step's wall time with and without the profiler (the difference is the
 profiler's own cost per operator call; what lies outside both is Python).
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
@@ -33,24 +33,39 @@ def group_of(name: str) -> str:
     return "elementwise and small ops"
 
 
-def time_fused_kernels(model) -> tuple[list[float], list[int]]:
-    """Wrap the model's fused-kernel methods with a timer: ([seconds], [calls]) accumulate."""
-    seconds, count, fused = [0.0], [0], model.fused
-    if fused is None:
-        return seconds, count
-    for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
-        fn = getattr(fused, name)
+FUSED = "fused C kernels (ctypes calls included)"
+QGEMM = "gguf block GEMMs (C, ctypes calls and buffers included)"
 
-        def timed(*a, _fn=fn, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                seconds[0] += time.perf_counter() - t
-                count[0] += 1
-        setattr(fused, name, timed)
-    model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method itself
-    return seconds, count
+
+def _timed(fn, seconds: dict, calls: dict, group: str, when=lambda *a: True):
+    def timed(*a, **k):
+        if not when(*a):
+            return fn(*a, **k)
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            seconds[group] += time.perf_counter() - t
+            calls[group] += 1
+    return timed
+
+
+def time_c_kernels(model) -> tuple[dict, dict]:
+    """Wrap the model's C-kernel calls (fused elementwise kernels, the gguf mode's block GEMMs)
+    with timers: ({group: seconds}, {group: calls}) accumulate."""
+    from hotprefix.model.qlinear import QuantLinear, QuantWeight
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    fused = model.fused
+    if fused is not None:
+        for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
+            setattr(fused, name, _timed(getattr(fused, name), seconds, calls, FUSED))
+        model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method
+    if isinstance(model.linear32, QuantLinear):
+        model.linear32 = _timed(model.linear32, seconds, calls, QGEMM,
+                                lambda x, w, b: isinstance(w, QuantWeight))
+    return seconds, calls
 
 
 def main() -> None:
@@ -64,6 +79,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="LLM(dtype=...)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps profiled (default 64)")
+    ap.add_argument("--top", type=int, default=12, help="small operators listed (default 12)")
     args = ap.parse_args()
     common.setup_threads(args.threads)
     opts = {k: v for k, v in (("weights", args.weights), ("dtype", args.dtype)) if v}
@@ -72,7 +88,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
     llm.generate(ids, params, use_tqdm=False)  # warm-up
     eng = llm.engine
-    kernel_s, kernel_calls = time_fused_kernels(eng.runner.model)
+    kernel_s, kernel_calls = time_c_kernels(eng.runner.model)
 
     def decode_steps(profiler=None) -> tuple[float, int]:
         """(wall ms a decode step, steps) of one request, its prefill left out."""
@@ -91,16 +107,17 @@ def main() -> None:
 
     plain_ms, _ = decode_steps()
     prof = profile(activities=[ProfilerActivity.CPU])
-    kernel_s[0], kernel_calls[0] = 0.0, 0
+    kernel_s.clear()
+    kernel_calls.clear()
     wall_ms, steps = decode_steps(prof)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     for ev in prof.key_averages():
         totals[group_of(ev.key)] += ev.self_cpu_time_total / 1000  # ms
         calls[group_of(ev.key)] += ev.count
-    if kernel_calls[0]:
-        totals["fused C kernels (ctypes calls included)"] = kernel_s[0] * 1000
-        calls["fused C kernels (ctypes calls included)"] = kernel_calls[0]
+    for group, secs in kernel_s.items():
+        totals[group] = secs * 1000
+        calls[group] = kernel_calls[group]
     op_ms = sum(totals.values()) / steps
     print(f"{eng.runner.numerics}, {args.context}-token context, batch 1, {steps} decode steps, "
           f"torch {torch.__version__}: {plain_ms:.1f} ms a step ({wall_ms:.1f} under the profiler, "
@@ -109,6 +126,11 @@ def main() -> None:
             for g, ms in sorted(totals.items(), key=lambda kv: -kv[1])]
     print(common.md_table(["operators", "ms a step (profiled)", "share of operator time",
                            "calls a step"], rows))
+    small = sorted((ev for ev in prof.key_averages() if group_of(ev.key) == "elementwise and small ops"),
+                   key=lambda ev: -ev.self_cpu_time_total)[:args.top]
+    print(common.md_table(["elementwise and small ops", "ms a step", "calls a step"],
+                          [[ev.key, f"{ev.self_cpu_time_total / 1000 / steps:.3f}", ev.count // steps]
+                           for ev in small]))
 
 if __name__ == "__main__":
     main()

@@ -59,6 +59,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
     "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
+    "qg_linear": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
 }
 
 

@@ -80,7 +80,7 @@ class LlamaModel:
         blocks = blocks or {}
         # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py); the
         # default only where the CPU runs its vector path, asked for anywhere the kernels build
-        qlib = library() if self.weight_mode == "gguf" and fused_kernels else None
+        qlib = library() if self.weight_mode == "gguf" else None
         if self.weight_mode == "gguf" and (qlib is None or not blocks or
                                            (weight_mode == "auto" and not vnni_available())):
             if weight_mode != "auto":

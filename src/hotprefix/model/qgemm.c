@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -29,6 +30,7 @@
 #define QG_ROWS 6        /* rows sharing one pass over a weight block */
 #define QG_ROW_CHUNK 48  /* rows whose activations stay in cache while the groups stream */
 #define QG_QMAX 32767.0f
+#define QG_PREFETCH 32     /* blocks ahead to prefetch when few rows share a pass */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
 
 static inline float half_to_float(uint16_t h) {
@@ -126,6 +128,9 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * stride;
+        if (nr <= 2) /* few rows: the weights stream from memory, fetch them ahead */
+            for (int64_t off = 0; off < stride; off += 64)
+                _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
         /* several independent integer chains per row (a VNNI op waits for the previous one on
          * its accumulator); integer sums are exact, so how they are split changes no bits */
         __m512i s[QG_ROWS][QG_CHAINS];
@@ -206,6 +211,20 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
             }
         }
     }
+}
+
+/* x [rows][k] fp32 -> y [rows][n]: the activations quantized (scratch from malloc), then the
+ * product. Returns -1 when the scratch cannot be allocated (y untouched), else 0. */
+int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, int64_t rows,
+              float *y, int threads) {
+    const int64_t nb = k / QG_BLOCK;
+    int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
+    if (!qa) return -1;
+    float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
+    qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
+    qg_gemm(w, bits, n, k, qa, sa, sq, rows, y, threads);
+    free(qa);
+    return 0;
 }
 
 /* The portable path on the same data, for tests: it must give the vector path's bits. */

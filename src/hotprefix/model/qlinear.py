@@ -138,11 +138,10 @@ class QuantLinear:
         if not isinstance(w, QuantWeight):
             return self.fallback(x, w, b)
         x = x.float().contiguous()
-        threads = torch.get_num_threads()
-        qa, sa, sq = quantize_rows(self.lib, x, threads)
         y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-        self.lib.qg_gemm(w.packed.data_ptr(), w.bits, w.n, w.k, qa.data_ptr(), sa.data_ptr(),
-                         sq.data_ptr(), x.shape[0], y.data_ptr(), threads)
+        if self.lib.qg_linear(w.packed.data_ptr(), w.bits, w.n, w.k, x.data_ptr(), x.shape[0],
+                              y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the activations of a {tuple(x.shape)} GEMM")
         return y if b is None else y + b
 
     def reference(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

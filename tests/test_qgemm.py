@@ -1,0 +1,147 @@
+"""The ``gguf`` weight mode's block GEMM (``qgemm.c`` through ``qlinear.py``): GGUF blocks repacked
+without loss, products within the 16-bit activations' rounding of exact arithmetic, and a row's bits
+independent of the rows beside it, the thread count and the code path (vector or portable C)."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from hotprefix.model.fused import library
+from hotprefix.model.qlinear import QuantLinear, QuantWeight, unpack_gguf_blocks
+
+LIB = library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
+
+
+def make_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.1) -> tuple[str, np.ndarray, torch.Tensor]:
+    """(kind, raw GGUF blocks [n, bytes a row], the fp32 weight gguf dequantizes them to)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
+    raw = quantize(w, gguf.GGMLQuantizationType[kind])
+    deq = dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(n, k)
+    return kind, raw.reshape(n, -1), torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
+
+
+def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [16, 40, 96])
+def test_packing_keeps_every_weight(kind, n):
+    _, raw, deq = make_blocks(kind, n, 96, seed=n)
+    q, d, m = unpack_gguf_blocks(kind, raw, n, 96)
+    assert q.shape == (n, 3, 32)
+    w = QuantWeight([(kind, raw)], 96)
+    assert w.n == n and w.bits == (8 if kind == "Q8_0" else 4)
+    assert w.packed.shape[0] == -(-n // 16)  # groups of 16 outputs, the last one padded
+    assert torch.equal(w.dequantize(), deq)
+
+
+def test_stacked_tensors_of_mixed_kinds_pack_as_8_bit():
+    parts = [make_blocks("Q4_1", 24, 64, 1), make_blocks("Q8_0", 8, 64, 2), make_blocks("Q4_0", 16, 64, 3)]
+    w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 64)
+    assert w.bits == 8 and w.n == 48
+    assert torch.equal(w.dequantize(), torch.cat([deq for _, _, deq in parts]))
+    assert QuantWeight([(k, r) for k, r, _ in parts[::2]], 64).bits == 4
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_product_is_within_16_bit_activation_rounding_of_exact(kind):
+    _, raw, deq = make_blocks(kind, 72, 160, seed=7)
+    w = QuantWeight([(kind, raw)], 160)
+    x = torch.randn(37, 160) * torch.logspace(-3, 2, 160)  # blocks of very different sizes
+    y = QuantLinear(LIB, None)(x, w, None)
+    ref = exact(x, deq)
+    # each block's activations keep 15 bits against its largest: ~3e-5 of a block's size
+    err = ((y.double() - ref).abs() / exact(x.abs(), deq.abs()).clamp(min=1e-30)).max().item()
+    assert err < 2e-4, err
+    assert y.shape == (37, 72) and y.dtype == torch.float32
+
+
+def test_row_bits_do_not_depend_on_neighbours_threads_or_path():
+    kind, raw, _ = make_blocks("Q4_1", 200, 576, seed=3)
+    w8 = QuantWeight([make_blocks("Q8_0", 40, 576, seed=4)[:2]], 576)
+    w4 = QuantWeight([(kind, raw)], 576)
+    lin = QuantLinear(LIB, None)
+    x = torch.randn(130, 576)
+    for w in (w4, w8):
+        full = lin(x, w, None)
+        for lo, hi in [(7, 8), (3, 8), (0, 6), (5, 18), (60, 130)]:
+            assert torch.equal(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(lin(x, w, None), full)
+        finally:
+            torch.set_num_threads(2)
+        assert torch.equal(lin.reference(x[:13], w), full[:13])  # the portable path: same bits
+
+
+def test_zero_and_non_finite_blocks():
+    _, raw, deq = make_blocks("Q4_1", 16, 64)
+    w = QuantWeight([("Q4_1", raw)], 64)
+    lin = QuantLinear(LIB, None)
+    x = torch.zeros(3, 64)
+    x[1, 40] = 2.0  # one block zero, the other not
+    x[2, 3] = float("inf")
+    y = lin(x, w, None)
+    assert torch.equal(y[0], torch.zeros(16))
+    assert torch.allclose(y[1].double(), exact(x[1:2], deq)[0], rtol=1e-4, atol=1e-6)
+    assert torch.isnan(y[2]).all()  # like a float GEMM, a non-finite input poisons its row
+
+
+def test_other_weights_go_to_the_fallback_and_bias_is_added():
+    seen = []
+    lin = QuantLinear(LIB, lambda x, w, b: seen.append(w) or x)
+    assert lin(torch.ones(2, 3), "dense", None).shape == (2, 3) and seen == ["dense"]
+    _, raw, deq = make_blocks("Q8_0", 16, 32)
+    b = torch.arange(16, dtype=torch.float32)
+    x = torch.randn(2, 32)
+    w = QuantWeight([("Q8_0", raw)], 32)
+    assert torch.equal(lin(x, w, b), lin(x, w, None) + b)
+
+
+@pytest.mark.model
+def test_real_model_blocks_hold_the_loaded_weights():
+    """The loader's raw blocks, Q/K rows un-permuted like the dequantized weights, pack to exactly
+    the weights the other modes multiply with (Q4_1 layers, the Q8_0 embedding)."""
+    from hotprefix.model.loader import load_model
+
+    loaded = load_model(None)
+    kinds = {kind for kind, _ in loaded.blocks.values()}
+    assert kinds == {"Q4_1", "Q8_0"}
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.5.mlp.down_proj.weight", "model.embed_tokens.weight"]:
+        kind, raw = loaded.blocks[name]
+        w = loaded.weights[name]
+        assert torch.equal(QuantWeight([(kind, raw)], w.shape[1]).dequantize(), w), name
+
+
+@pytest.mark.model
+def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
+    """The default takes the gguf mode on a CPU with AVX-512 VNNI (else mixed, silently); asked
+    for on a model without GGUF blocks it runs mixed and says so. Each has its own namespace."""
+    import hotprefix.model.llama as llama
+    from hotprefix import LLM
+
+    model = real_llm.engine.runner.model
+    if model.weight_mode == "gguf":
+        assert "/gguf-a16-" in model.numerics
+        assert isinstance(model.layers[0]["gate_up"], QuantWeight)
+        assert isinstance(model.lm_head, QuantWeight) and model.lm_head.bits == 8
+    monkeypatch.setattr(llama, "vnni_available", lambda: False)
+    mixed = LLM(kv_cache_memory="32MiB", num_threads=2)
+    assert mixed.engine.runner.model.weight_mode == "mixed"
+    assert mixed.engine.namespace != real_llm.engine.namespace or model.weight_mode == "mixed"
+    asked = LLM(kv_cache_memory="32MiB", num_threads=2, weights="gguf")  # explicit: runs anyway
+    assert asked.engine.runner.model.weight_mode == "gguf"
+    with caplog.at_level(logging.WARNING):
+        tiny = LLM(model=tiny_model_dir, kv_cache_memory="8MiB", num_threads=2, dtype="bfloat16",
+                   weights="gguf")
+    assert tiny.engine.runner.model.weight_mode == "mixed"
+    assert "weights='gguf' needs a GGUF model" in caplog.text
