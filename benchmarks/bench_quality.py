@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import numpy as np  # noqa: E402
 from common import log  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -42,6 +43,17 @@ TEXTS = [os.path.join(ROOT, "..", "shared", "mission", "prefix-caching-article.t
 MODES = ["default", "float32", "bfloat16:dense"]
 WEIGHT_MODES = ["default:int8", "default:int4"]
 BREAKS = ("scale", "zero-layer")
+
+
+def scaled_blocks(qtype: str, raw, factor: float):
+    """GGUF blocks [rows, bytes] with every block's scale (and Q4_1's offset) times ``factor``."""
+    from hotprefix.model.qlinear import BLOCK_BYTES
+
+    b = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[qtype]).copy()
+    fields = 4 if qtype == "Q4_1" else 2  # fp16 d (and m) open each block
+    head = b[..., :fields].copy().view(np.float16)
+    b[..., :fields] = (head.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+    return b.reshape(raw.shape)
 
 
 def damage(kind: str) -> None:
@@ -54,15 +66,20 @@ def damage(kind: str) -> None:
 
     def broken(*a, **kw):
         loaded = load(*a, **kw)
-        w = loaded.weights
+        w, blocks = loaded.weights, loaded.blocks  # the gguf mode multiplies with the blocks
         if kind == "scale":
             for name, t in w.items():
                 if t.dim() == 2 and name != "model.embed_tokens.weight":
                     w[name] = t * 1.01
+            for name, (qtype, raw) in blocks.items():
+                if name != "model.embed_tokens.weight":
+                    blocks[name] = (qtype, scaled_blocks(qtype, raw, 1.01))
         else:
             layer = loaded.arch.num_layers // 2
             name = f"model.layers.{layer}.mlp.down_proj.weight"
             w[name] = torch.zeros_like(w[name])
+            if name in blocks:
+                blocks[name] = (blocks[name][0], np.zeros_like(blocks[name][1]))
         log(f"  weights damaged: {kind}")
         return loaded
 

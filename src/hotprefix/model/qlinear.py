@@ -35,14 +35,15 @@ QUANT_NUMERICS = "a16"
 """The kernel's numerics in the cache namespace (activations as 16-bit integers per 32-block)."""
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 """GGUF block types this mode multiplies with directly."""
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+"""Bytes of one GGUF block of 32 weights."""
 
 
 def unpack_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF blocks of an [n, k] tensor -> (q [n, k/32, 32] integers, d and m [n, k/32] fp16) with
     weight = d * q + m."""
     nb = k // BLOCK
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, _BLOCK_BYTES[kind])
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[kind])
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8)
