@@ -30,6 +30,7 @@
 #define QG_ROWS 6        /* rows sharing one pass over a weight block */
 #define QG_ROW_CHUNK 48  /* rows whose activations stay in cache while the groups stream */
 #define QG_QMAX 32767.0f
+#define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch when few rows share a pass */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
 
@@ -199,9 +200,11 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
     const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
     const int64_t chunks = (rows + QG_ROW_CHUNK - 1) / QG_ROW_CHUNK;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 4096)
-    for (int64_t c = 0; c < chunks; c++) {
-        for (int64_t g = 0; g < groups; g++) {
+    /* groups outer: each thread takes a contiguous range of groups for every row chunk (even
+     * work whatever the row count), a group's weights staying in cache across the chunks */
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n * k >= QG_PAR_MIN)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t c = 0; c < chunks; c++) {
             const int64_t r1 = (c + 1) * QG_ROW_CHUNK < rows ? (c + 1) * QG_ROW_CHUNK : rows;
             const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
             for (int64_t r = c * QG_ROW_CHUNK; r < r1; r += QG_ROWS) {
