@@ -145,3 +145,24 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
                    weights="gguf")
     assert tiny.engine.runner.model.weight_mode == "mixed"
     assert "weights='gguf' needs a GGUF model" in caplog.text
+
+
+@pytest.mark.model
+def test_layer_calls_give_the_per_kernel_bits(real_llm):
+    """The two-call layer (``qlayer.c``) runs the kernels the per-kernel loop runs, in the same
+    order: the same logits to the bit, prefill and decode-written K/V alike."""
+    from hotprefix import quality
+
+    model = real_llm.engine.runner.model
+    if model.quant_layers is None:
+        pytest.skip("the default here is not the gguf mode")
+    ids = real_llm.tokenizer.encode("The ferry to the outer islands leaves the harbour at seven, "
+                                    "unless the wind from the north is strong. " * 6)
+    layers = model.quant_layers
+    try:
+        fast = quality.all_position_logits(real_llm.engine.runner, ids)
+        model.quant_layers = None
+        slow = quality.all_position_logits(real_llm.engine.runner, ids)
+    finally:
+        model.quant_layers = layers
+    assert fast.shape[0] == len(ids) and torch.equal(fast, slow)

@@ -40,8 +40,8 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("fused.c"), Path(__file__).with_name("qgemm.c")]
-"""The elementwise kernels, and the ``gguf`` weight mode's GEMM (``qlinear.py``)."""
+SOURCES = [Path(__file__).with_name(f) for f in ("fused.c", "qgemm.c", "qlayer.c")]
+"""The elementwise kernels, and the ``gguf`` weight mode's GEMM and layer calls (``qlinear.py``)."""
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
@@ -60,6 +60,10 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
     "qg_linear": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
+    "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _P, _P,
+                      _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
+    "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
+                       ctypes.c_int, _P, ctypes.c_int], ctypes.c_int),
 }
 
 

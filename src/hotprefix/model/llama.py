@@ -21,7 +21,8 @@ from hotprefix.model.fused import fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
-from hotprefix.model.qlinear import GGUF_TYPES, QUANT_NUMERICS, QuantLinear, QuantWeight, vnni_available
+from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, QuantLayers, QuantLinear, QuantWeight,
+                                     vnni_available)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,13 @@ class LlamaModel:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5
+        # gguf mode with every layer matrix in blocks: a layer's work around attention in two calls
+        self.quant_layers = None
+        if self.weight_mode == "gguf" and self.fused is not None and all(
+                isinstance(layer[op], QuantWeight) for layer in self.layers
+                for op in ("qkv", "o", "gate_up", "down")):
+            self.quant_layers = QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads,
+                                            arch.num_kv_heads, arch.head_dim, arch.intermediate_size)
         l0 = self.layers[0]
         probes = [("qkv", l0["qkv"], arch.hidden_size), ("down", l0["down"], arch.intermediate_size),
                   ("head", self.lm_head, arch.hidden_size)]
@@ -210,7 +218,9 @@ class LlamaModel:
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
         h = F.embedding(input_ids, self.embed).float()
         n = input_ids.shape[0]
-        if self.fused is not None:
+        if self.quant_layers is not None:
+            h = self._layers_quant(h, positions, kv_caches, meta, n_real)
+        elif self.fused is not None:
             h = self._layers_fused(h, positions, kv_caches, meta, n_real)
         else:
             h = self._layers_torch(h, positions, kv_caches, meta, n_real)
@@ -247,6 +257,21 @@ class LlamaModel:
             x = f.add_rms_norm(h, attn, layer["post_norm"])
             gate_up = self._mm(x, layer["gate_up"], None, "gate_up").float().contiguous()
             pending = self._mm(f.silu_mul(gate_up), layer["down"], None, "down").float()
+        return h.add_(pending)
+
+    def _layers_quant(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+        """``_layers_fused`` with each layer's work before and after attention in one C call."""
+        ql, n = self.quant_layers, h.shape[0]
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        pending = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            q = ql.pre(h, pending, layer, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
+            if n > n_real:
+                o[n_real:] = 0  # padding rows attend to nothing
+            pending = ql.post(o, h, layer)
         return h.add_(pending)
 
     def _layers_torch(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],

@@ -159,3 +159,48 @@ def vnni_available() -> bool:
     """Whether this CPU runs the kernel's vector path (AVX-512 VNNI and BW); elsewhere the portable
     C path gives the same bits, too slowly to be a default."""
     return {"avx512_vnni", "avx512bw", "avx512f"} <= cpu_flags()
+
+
+class QuantLayers:
+    """A decoder layer's work around attention in two C calls (``qlayer.c``) when all four of its
+    matrices are block-quantized: the kernels ``LlamaModel._layers_fused`` calls one by one, in the
+    same order on the same values (the same bits), without the calls' cost between them."""
+
+    def __init__(self, lib, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int):
+        self.lib, self.eps = lib, eps
+        self.nh, self.nkv, self.hd, self.inter = num_heads, num_kv_heads, head_dim, intermediate
+
+    def pre(self, h: torch.Tensor, pending: torch.Tensor | None, layer: dict, cos: torch.Tensor,
+            sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``h += pending``; RMSNorm, Q/K/V, RoPE, the K/V write: the queries [rows, nh, hd]."""
+        rows, dim = h.shape
+        q = torch.empty(rows, self.nh, self.hd, dtype=torch.float32)
+        w, bias = layer["qkv"], layer["qkv_bias"]
+        bad = self.lib.qg_layer_pre(
+            h.data_ptr(), None if pending is None else pending.data_ptr(), layer["in_norm"].data_ptr(),
+            self.eps, rows, dim, w.packed.data_ptr(), w.bits, None if bias is None else bias.data_ptr(),
+            self.nh, self.nkv, self.hd, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), slots.shape[0],
+            torch.get_num_threads())
+        if bad < 0:
+            raise MemoryError(f"no memory for a {rows}-row layer's activations")
+        if bad:
+            raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
+        return q
+
+    def post(self, o: torch.Tensor, h: torch.Tensor, layer: dict) -> torch.Tensor:
+        """Output projection, ``h += attn``, RMSNorm and the MLP: the MLP's output [rows, dim]
+        (added to ``h`` by the next ``pre``)."""
+        rows, dim = h.shape
+        out = torch.empty(rows, dim, dtype=torch.float32)
+        wo, wgu, wd = layer["o"], layer["gate_up"], layer["down"]
+        if self.lib.qg_layer_post(o.data_ptr(), o.shape[-1] * (o.shape[-2] if o.dim() == 3 else 1),
+                                  h.data_ptr(), layer["post_norm"].data_ptr(), self.eps, rows, dim,
+                                  wo.packed.data_ptr(), wo.bits, wgu.packed.data_ptr(), wgu.bits,
+                                  self.inter, wd.packed.data_ptr(), wd.bits, out.data_ptr(),
+                                  torch.get_num_threads()):
+            raise MemoryError(f"no memory for a {rows}-row layer's activations")
+        return out

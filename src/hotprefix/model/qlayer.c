@@ -1,0 +1,65 @@
+/* A decoder layer's work around attention in two calls, for the gguf weight mode (qlinear.py):
+ * the same kernels, in the same order and on the same values, as the layer loop that calls them
+ * one by one (llama.LlamaModel._layers_fused), so the same bits; what goes is the per-call cost
+ * between them (a dozen Python-side calls and tensor allocations a layer).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+void add_rms_norm(float *h, const float *d, const float *w, float *out, int64_t rows, int64_t dim,
+                  float eps, int threads);
+int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
+                      const float *cos_t, const float *sin_t, int64_t n_pos, const int64_t *pos,
+                      float *q_out, void *k_cache, void *v_cache, int bf16, const int64_t *slots,
+                      int64_t n_slots, int threads);
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads);
+int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, int64_t rows,
+              float *y, int threads);
+
+/* h += pending (when not NULL); x = RMSNorm(h) * norm; qkv = x W^T (+ bias); RoPE on q and k,
+ * k and v written to the pools at slots, q to q_out [rows][nh][hd]. Returns rope_write_kv's count
+ * of positions outside the tables, or -1 when scratch memory ran out (nothing written then). */
+int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float eps, int64_t rows,
+                     int64_t dim, const uint8_t *w_qkv, int bits, const float *bias, int64_t nh,
+                     int64_t nkv, int64_t hd, const float *cos_t, const float *sin_t, int64_t n_pos,
+                     const int64_t *pos, float *q_out, void *k_cache, void *v_cache, int bf16,
+                     const int64_t *slots, int64_t n_slots, int threads) {
+    const int64_t width = (nh + 2 * nkv) * hd;
+    float *x = malloc((size_t)(rows * (dim + width)) * sizeof(float));
+    if (!x) return -1;
+    float *qkv = x + rows * dim;
+    add_rms_norm(h, pending, norm, x, rows, dim, eps, threads);
+    int64_t bad = -1;
+    if (qg_linear(w_qkv, bits, width, dim, x, rows, qkv, threads) == 0) {
+        if (bias)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < width; j++) qkv[r * width + j] = qkv[r * width + j] + bias[j];
+        bad = rope_write_kv(qkv, rows, nh, nkv, hd, cos_t, sin_t, n_pos, pos, q_out, k_cache,
+                            v_cache, bf16, slots, n_slots, threads);
+    }
+    free(x);
+    return bad;
+}
+
+/* attn = o W_o^T; h += attn; x = RMSNorm(h) * norm; mlp_out = (SiLU(x W_g^T) * x W_u^T) W_d^T,
+ * the residual add of mlp_out left to the next layer's norm. Returns -1 when scratch memory ran
+ * out, else 0. */
+int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm, float eps,
+                  int64_t rows, int64_t dim, const uint8_t *w_o, int bits_o, const uint8_t *w_gu,
+                  int bits_gu, int64_t inter, const uint8_t *w_down, int bits_down, float *mlp_out,
+                  int threads) {
+    float *attn = malloc((size_t)(rows * (2 * dim + 3 * inter)) * sizeof(float));
+    if (!attn) return -1;
+    float *x = attn + rows * dim, *gu = x + rows * dim, *act = gu + rows * 2 * inter;
+    int err = qg_linear(w_o, bits_o, dim, o_dim, o, rows, attn, threads);
+    if (!err) {
+        add_rms_norm(h, attn, norm, x, rows, dim, eps, threads);
+        err = qg_linear(w_gu, bits_gu, 2 * inter, dim, x, rows, gu, threads);
+    }
+    if (!err) {
+        silu_mul(gu, act, rows, inter, threads);
+        err = qg_linear(w_down, bits_down, dim, inter, act, rows, mlp_out, threads);
+    }
+    free(attn);
+    return err;
+}
