@@ -93,6 +93,7 @@ def test_zero_and_non_finite_blocks():
     assert torch.equal(y[0], torch.zeros(16))
     assert torch.allclose(y[1].double(), exact(x[1:2], deq)[0], rtol=1e-4, atol=1e-6)
     assert torch.isnan(y[2]).all()  # like a float GEMM, a non-finite input poisons its row
+    assert lin(torch.zeros(0, 64), w, None).shape == (0, 16)  # a step with no logits rows
 
 
 def test_other_weights_go_to_the_fallback_and_bias_is_added():

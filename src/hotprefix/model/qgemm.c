@@ -221,6 +221,7 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
 int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, int64_t rows,
               float *y, int threads) {
     const int64_t nb = k / QG_BLOCK;
+    if (rows <= 0) return 0;
     int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
