@@ -13,7 +13,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from hotprefix.model.fused import library
-from hotprefix.model.qlinear import QuantLinear, QuantWeight, unpack_gguf_blocks
+from hotprefix.model.qlinear import BlockRows, QuantLinear, QuantWeight, unpack_gguf_blocks
 
 LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
@@ -41,6 +41,21 @@ def test_packing_keeps_every_weight(kind, n):
     assert w.n == n and w.bits == (8 if kind == "Q8_0" else 4)
     assert w.packed.shape[0] == -(-n // 16)  # groups of 16 outputs, the last one padded
     assert torch.equal(w.dequantize(), deq)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_rows_are_gguf_values(kind):
+    """Rows dequantized on demand (the LM head's refine rows, a tied embedding) hold exactly what
+    gguf's dequantizer gives; an id outside the matrix is an IndexError."""
+    _, raw, deq = make_blocks(kind, 40, 96, seed=11)
+    rows = BlockRows(LIB, QuantWeight([(kind, raw)], 96))
+    idx = torch.tensor([[39, 0, 17], [16, 16, 5]])
+    got = rows[idx]
+    assert got.shape == (2, 3, 96) and torch.equal(got, deq[idx])
+    with pytest.raises(IndexError, match="outside"):
+        rows[torch.tensor([3, 40])]
+    with pytest.raises(IndexError):
+        rows[torch.tensor([-1])]
 
 
 def test_stacked_tensors_of_mixed_kinds_pack_as_8_bit():
@@ -121,6 +136,10 @@ def test_real_model_blocks_hold_the_loaded_weights():
         kind, raw = loaded.blocks[name]
         w = loaded.weights[name]
         assert torch.equal(QuantWeight([(kind, raw)], w.shape[1]).dequantize(), w), name
+    kind, raw = loaded.blocks["model.embed_tokens.weight"]
+    ids = torch.tensor([0, 1, 2, 500, 49151])
+    emb = BlockRows(LIB, QuantWeight([(kind, raw)], raw.shape[1] // 34 * 32))[ids]
+    assert torch.equal(emb, loaded.weights["model.embed_tokens.weight"][ids])
 
 
 @pytest.mark.model
@@ -135,6 +154,7 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
         assert "/gguf-a16-" in model.numerics
         assert isinstance(model.layers[0]["gate_up"], QuantWeight)
         assert isinstance(model.lm_head, QuantWeight) and model.lm_head.bits == 8
+        assert isinstance(model.embed, BlockRows)  # no fp32 copy of the tied embedding
     monkeypatch.setattr(llama, "vnni_available", lambda: False)
     mixed = LLM(kv_cache_memory="32MiB", num_threads=2)
     assert mixed.engine.runner.model.weight_mode == "mixed"

@@ -60,6 +60,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
     "qg_linear": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
+    "qg_dequant_rows": ([_P, ctypes.c_int, _I, _I, _P, _I, _P], _I),
     "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
     "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,

@@ -21,8 +21,8 @@ from hotprefix.model.fused import fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
-from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, QuantLayers, QuantLinear, QuantWeight,
-                                     vnni_available)
+from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
+                                     QuantWeight, vnni_available)
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,16 @@ class LlamaModel:
             return pack32(t) if op in self.fp32_ops else pack(t)
 
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-        # an fp32 copy of the LM head when the GEMMs are not fp32: the top logits are refined with it
-        self.head32 = (None if dtype == torch.float32 and self.weight_mode == "dense"
-                       else weights[head].to(device=device, dtype=torch.float32).contiguous())
-        # a tied embedding is read from that fp32 copy: exact inputs to the fp32 residual stream
+        self.lm_head = pk("head", [head])
+        # the LM head's rows in fp32 when the GEMMs are not fp32: the top logits are refined with
+        # them (an fp32 copy, or rows of the gguf mode's blocks dequantized when asked)
+        self.head32 = (None if dtype == torch.float32 and self.weight_mode == "dense" else
+                       BlockRows(qlib, self.lm_head) if isinstance(self.lm_head, QuantWeight) else
+                       weights[head].to(device=device, dtype=torch.float32).contiguous())
+        # a tied embedding is read from those rows: exact inputs to the fp32 residual stream
         self.embed = (self.head32 if arch.tie_word_embeddings and self.head32 is not None
                       else take("model.embed_tokens.weight"))
         self.norm = take("model.norm.weight", torch.float32)
-        self.lm_head = pk("head", [head])
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -216,7 +218,7 @@ class LlamaModel:
         if n_real < self.min_rows:  # pad once here rather than at each GEMM
             pad = input_ids.new_zeros(self.min_rows - n_real)
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
-        h = F.embedding(input_ids, self.embed).float()
+        h = self.embed[input_ids].float()
         n = input_ids.shape[0]
         if self.quant_layers is not None:
             h = self._layers_quant(h, positions, kv_caches, meta, n_real)

@@ -231,6 +231,41 @@ int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, 
     return 0;
 }
 
+/* Rows idx[0..count) of a packed [n][k] weight as fp32 (out [count][k]): d * q, plus m where m is
+ * not zero -- GGUF's own dequantization, value for value (d * q is exact in fp32). Rows outside
+ * [0, n) are left unwritten and counted in the return value. */
+int64_t qg_dequant_rows(const uint8_t *w, int bits, int64_t n, int64_t k, const int64_t *idx,
+                        int64_t count, float *out) {
+    const int64_t nb = k / QG_BLOCK, qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = idx[i];
+        if (row < 0 || row >= n) {
+            bad++;
+            continue;
+        }
+        const int l = (int)(row % QG_LANES);
+        const uint8_t *wg = w + (row / QG_LANES) * nb * stride;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = wg + b * stride;
+            const uint16_t *dh = (const uint16_t *)(blk + qbytes), *mh = dh + QG_LANES;
+            const float d = half_to_float(dh[l]), m = half_to_float(mh[l]);
+            float *o = out + i * k + b * QG_BLOCK;
+            for (int j = 0; j < QG_BLOCK; j++) {
+                int pair = j / 2, e = j % 2, q;
+                if (bits == 4) {
+                    uint8_t byte = blk[32 * (pair % 8) + 2 * l + e];
+                    q = pair / 8 ? byte >> 4 : byte & 0x0f;
+                } else {
+                    q = (int8_t)blk[32 * pair + 2 * l + e];
+                }
+                o[j] = m != 0.0f ? d * (float)q + m : d * (float)q;
+            }
+        }
+    }
+    return bad;
+}
+
 /* The portable path on the same data, for tests: it must give the vector path's bits. */
 void qg_gemm_reference(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa,
                        const float *sa, const float *sq, int64_t rows, float *y) {
