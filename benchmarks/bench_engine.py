@@ -70,6 +70,7 @@ PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..
 # llama.cpp ratios are about it, and --dtype / --weights set its options.
 MODES = [
     {"label": "default", "options": {}},  # bf16 where the CPU has native bf16 (probed), else fp32
+    {"label": "mixed", "options": {"weights": "mixed"}},  # the default where gguf does not run
     {"label": "fp32", "options": {"dtype": "float32"}},
     {"label": "bf16-dense", "options": {"weights": "dense"}},  # every GEMM in the default dtype
     {"label": "int4", "options": {"weights": "int4"}},

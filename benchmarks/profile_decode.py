@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
-and small ops), plus the C kernels (the fused elementwise ones and the ``gguf`` mode's block GEMMs, timed around
-their ctypes calls: the profiler does not see them), next to the step's wall time with and without the profiler (the difference is the
+and small ops), plus the C kernels (the fused elementwise ones, the ``gguf`` mode's block GEMMs and its two calls a
+layer, timed around their ctypes calls: the profiler does not see them), next to the step's wall time with and without the profiler (the difference is the
 profiler's own cost per operator call; what lies outside both is Python).
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
@@ -35,6 +35,7 @@ def group_of(name: str) -> str:
 
 FUSED = "fused C kernels (ctypes calls included)"
 QGEMM = "gguf block GEMMs (C, ctypes calls and buffers included)"
+QLAYER = "gguf layer calls (C: norms, the four GEMMs, RoPE and K/V write, SiLU)"
 
 
 def _timed(fn, seconds: dict, calls: dict, group: str, when=lambda *a: True):
@@ -62,6 +63,10 @@ def time_c_kernels(model) -> tuple[dict, dict]:
         for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
             setattr(fused, name, _timed(getattr(fused, name), seconds, calls, FUSED))
         model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method
+    if model.quant_layers is not None:
+        for name in ("pre", "post"):
+            setattr(model.quant_layers, name,
+                    _timed(getattr(model.quant_layers, name), seconds, calls, QLAYER))
     if isinstance(model.linear32, QuantLinear):
         model.linear32 = _timed(model.linear32, seconds, calls, QGEMM,
                                 lambda x, w, b: isinstance(w, QuantWeight))

@@ -35,7 +35,7 @@ class QualityMode:
     dtype: str | None = "float32"
     """Compute dtype, as ``LLM(dtype=...)``; None = not passed (the configuration's default)."""
     weights: str | None = None
-    """Weights mode, as ``LLM(weights=...)`` (``auto``, ``bf16``, ``int8``, ``int4``); None = the
+    """Weights mode, as ``LLM(weights=...)`` (``auto``, ``gguf``, ``mixed``, ``bf16``, ``int8``, ``int4``); None = the
     option is not passed (the configuration's default)."""
 
     @property

@@ -4,9 +4,12 @@ kernel is batch-invariant.
 
 Weight modes (``--weights``):
 
+- ``gguf`` (what ``auto`` means on a CPU with AVX-512 VNNI in a 16-bit dtype, for a GGUF model):
+  the file's own Q4_0 / Q4_1 / Q8_0 blocks multiplied with activations rounded to 16-bit integers
+  per block of 32 (``qlinear.py``); tensors of other types run as in ``mixed``.
 - ``dense`` (alias ``bf16``): weights in the compute dtype. On CPU in fp32 they are prepacked for
   oneDNN; in bf16 they go through oneDNN's AMX/AVX512-BF16 GEMM.
-- ``mixed`` (what ``auto`` means in a 16-bit dtype): the GEMMs named by ``llama.MIXED_FP32_GEMMS``
+- ``mixed`` (what ``auto`` means in a 16-bit dtype elsewhere): the GEMMs named by ``llama.MIXED_FP32_GEMMS``
   (all of them: Q/K/V, output, gate/up, down and the LM head) take fp32 activations and accumulate
   in fp32, while the KV pool stays in the compute dtype. On an x86 CPU their weights are held in
   fp16 and widened inside FBGEMM's GEMM (``torch.ops.quantized.linear_dynamic_fp16``): half the
