@@ -19,7 +19,8 @@ LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
 
 
-def make_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.1) -> tuple[str, np.ndarray, torch.Tensor]:
+def make_blocks(kind: str, n: int, k: int, seed: int = 0,
+                scale: float = 0.1) -> tuple[str, np.ndarray, torch.Tensor]:
     """(kind, raw GGUF blocks [n, bytes a row], the fp32 weight gguf dequantizes them to)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
     raw = quantize(w, gguf.GGMLQuantizationType[kind])

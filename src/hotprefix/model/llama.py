@@ -111,7 +111,8 @@ class LlamaModel:
                       if self.attn_dtype == torch.float32 else None)
         # attention's K/V gathers, reused across layers and steps
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
-        high = (f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "") + (f"-{high_tag}" if high_tag else "")
+        high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
+                + (f"-{high_tag}" if high_tag else ""))
         attn = f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))

@@ -39,7 +39,8 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 """Bytes of one GGUF block of 32 weights."""
 
 
-def unpack_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_gguf_blocks(kind: str, raw: np.ndarray, n: int,
+                       k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF blocks of an [n, k] tensor -> (q [n, k/32, 32] integers, d and m [n, k/32] fp16) with
     weight = d * q + m."""
     nb = k // BLOCK
