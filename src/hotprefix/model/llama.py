@@ -37,6 +37,12 @@ alone reach 99.7% on the quality benchmark's 2,048 positions; the output project
 too, 99.95% (mean KL 2.6e-5), and with fp16-held weights the LM head streams faster at decode than
 in bf16 (measured with ``hotprefix.quality``)."""
 
+QUANT_LAYER_MAX_ROWS = 512
+"""Most rows a forward pass runs through the gguf mode's two-call layers (``qlinear.QuantLayers``);
+longer prefills call the same kernels one by one (the same bits). The two calls save per-call cost
+where a step is short; on a 2,048-row prefill their one large scratch allocation (fresh pages from
+the kernel every call) made it slower: 513 against 620 tok/s, side by side in one process."""
+
 HEAD_FP32_GEMMS = frozenset({"head"})
 """The GEMMs that the other 16-bit CPU modes (dense, int8, int4) run on fp32 inputs with fp16-held
 weights where torch has that kernel: only the LM head. It runs on a few rows a step (the logits
@@ -221,7 +227,7 @@ class LlamaModel:
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
         h = self.embed[input_ids].float()
         n = input_ids.shape[0]
-        if self.quant_layers is not None:
+        if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS:
             h = self._layers_quant(h, positions, kv_caches, meta, n_real)
         elif self.fused is not None:
             h = self._layers_fused(h, positions, kv_caches, meta, n_real)

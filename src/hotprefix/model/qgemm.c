@@ -28,7 +28,7 @@
 #define QG_BLOCK 32
 #define QG_LANES 16
 #define QG_ROWS 6        /* rows sharing one pass over a weight block */
-#define QG_ROW_CHUNK 48  /* rows whose activations stay in cache while the groups stream */
+#define QG_ROW_SPAN 192  /* rows whose activations stay in L2 while the groups stream (a multiple of QG_ROWS) */
 #define QG_QMAX 32767.0f
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch when few rows share a pass */
@@ -199,15 +199,16 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
              const float *sq, int64_t rows, float *y, int threads) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
     const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
-    const int64_t chunks = (rows + QG_ROW_CHUNK - 1) / QG_ROW_CHUNK;
-    /* groups outer: each thread takes a contiguous range of groups for every row chunk (even
-     * work whatever the row count), a group's weights staying in cache across the chunks */
+    const int64_t spans = (rows + QG_ROW_SPAN - 1) / QG_ROW_SPAN;
+    /* a span of rows (its activations held in L2) and a group of 16 outputs (its weights in L1)
+     * per iteration; threads take contiguous ranges of these pairs: the groups of a short batch
+     * are split between them, a long prefill's spans too */
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n * k >= QG_PAR_MIN)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t r1 = (c + 1) * QG_ROW_CHUNK < rows ? (c + 1) * QG_ROW_CHUNK : rows;
+    for (int64_t s = 0; s < spans; s++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r1 = (s + 1) * QG_ROW_SPAN < rows ? (s + 1) * QG_ROW_SPAN : rows;
             const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
-            for (int64_t r = c * QG_ROW_CHUNK; r < r1; r += QG_ROWS) {
+            for (int64_t r = s * QG_ROW_SPAN; r < r1; r += QG_ROWS) {
                 int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
                 group_rows(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
                            y + r * n + g * QG_LANES, n, lanes);
