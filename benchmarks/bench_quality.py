@@ -40,7 +40,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TEXTS = [os.path.join(ROOT, "..", "shared", "mission", "prefix-caching-article.txt"),
          os.path.join(ROOT, "README.md")]
 # The modes of the quality table; with the weights option (issue 13) its modes join them.
-MODES = ["default", "float32", "bfloat16:dense"]
+MODES = ["default", "bfloat16:mixed", "float32", "bfloat16:dense"]
 WEIGHT_MODES = ["default:int8", "default:int4"]
 BREAKS = ("scale", "zero-layer")
 
