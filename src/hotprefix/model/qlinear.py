@@ -18,14 +18,10 @@ Tensors stored in another type (F16, F32, K-quants) run through the ``mixed`` mo
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from hotprefix.model.dtype_probe import cpu_flags
-
-log = logging.getLogger(__name__)
 
 BLOCK = 32
 """Inputs per quantization block (GGUF Q4_0 / Q4_1 / Q8_0)."""
@@ -99,7 +95,8 @@ class QuantWeight:
         self.nbytes = self.packed.numel()
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 [n, k] weight the blocks hold (d * q + m in fp32), from the packed bytes."""
+        """The fp32 [n, k] weight the blocks hold (d * q + m in fp32), read back from the packed
+        bytes in numpy: the packing's inverse, an oracle for the C kernels' reading of it."""
         groups, nb = self.packed.shape[:2]
         raw = self.packed.numpy()
         qbytes = raw.shape[-1] - 64
