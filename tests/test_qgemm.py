@@ -13,7 +13,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from hotprefix.model.fused import library
-from hotprefix.model.qlinear import BlockRows, QuantLinear, QuantWeight, unpack_gguf_blocks
+from hotprefix.model.qlinear import BlockRows, QuantLayers, QuantLinear, QuantWeight, unpack_gguf_blocks
 
 LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
@@ -188,3 +188,63 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
     finally:
         model.quant_layers = layers
     assert fast.shape[0] == len(ids) and torch.equal(fast, slow)
+
+
+def test_tiny_model_with_bias_and_mixed_block_types():
+    """A model whose Q/K/V stack mixes Q4_0, Q4_1 and Q8_0 (so it packs 8-bit), with Q/K/V biases
+    (Qwen2's), an untied Q8_0 LM head and a tied-free embedding: the two-call layers give the
+    per-kernel loop's bits, and the gguf forward computes what the mixed mode computes on the
+    dequantized weights."""
+    from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+    from hotprefix.model.llama import LlamaModel
+    from hotprefix.model.loader import ModelArch
+
+    arch = ModelArch(arch="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                     max_position=512, attention_bias=True, tie_word_embeddings=False)
+    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_1",
+             "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q8_0"}
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+              "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
+    weights, blocks, g = {}, {}, torch.Generator().manual_seed(5)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        for name, kind in kinds.items():
+            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            _, raw, deq = make_blocks(kind, *shapes[name], seed=10 * i + len(name), scale=0.3)
+            weights[f"{p}{part}.{name}.weight"] = deq
+            blocks[f"{p}{part}.{name}.weight"] = (kind, raw)
+        for n, size in (("q", 64), ("k", 32), ("v", 32)):
+            weights[f"{p}self_attn.{n}_proj.bias"] = torch.randn(size, generator=g) * 0.1
+        weights[p + "input_layernorm.weight"] = torch.ones(64)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(64)
+    for name, kind in (("model.embed_tokens.weight", "Q8_0"), ("lm_head.weight", "Q8_0")):
+        _, raw, deq = make_blocks(kind, 96, 64, seed=len(name), scale=0.5)
+        weights[name], blocks[name] = deq, (kind, raw)
+    weights["model.norm.weight"] = torch.ones(64)
+
+    def run(model, ids):
+        caches = [(torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16),
+                   torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16)) for _ in range(2)]
+        n = len(ids)
+        meta = AttentionMetadata(slot_mapping=torch.arange(n),
+                                 prefills=[PrefillSeq(0, n, n, torch.arange(4))])
+        return model.forward(torch.tensor(ids), torch.arange(n), caches, meta, None)
+
+    ids = torch.randint(0, 96, (40,), generator=g).tolist()
+    cpu = torch.device("cpu")
+    quant = LlamaModel(arch, weights, cpu, torch.bfloat16, "gguf", True, blocks)
+    assert quant.weight_mode == "gguf" and quant.quant_layers is not None
+    assert quant.layers[0]["qkv"].bits == 8 and quant.layers[0]["gate_up"].bits == 4
+    fast = run(quant, ids)
+    quant.quant_layers = None
+    assert torch.equal(run(quant, ids), fast)
+    mixed = run(LlamaModel(arch, weights, cpu, torch.bfloat16, "mixed", True), ids)
+    assert fast.shape == (40, 96)
+    tol = 2e-2 * mixed.abs().max()
+    assert (fast - mixed).abs().max() < tol, (fast - mixed).abs().max()
+    assert (fast.argmax(-1) == mixed.argmax(-1)).float().mean() >= 0.9
+    quant.quant_layers = QuantLayers(LIB, arch.rms_norm_eps, 4, 2, 16, 128)
+    for layer in quant.layers:
+        layer["qkv_bias"] = torch.zeros_like(layer["qkv_bias"])
+    assert (run(quant, ids) - fast).abs().max() > 2 * tol  # the biases weigh in: the check sees them
