@@ -1,7 +1,8 @@
 /* GEMM on GGUF block-quantized weights with 16-bit integer activations (see qlinear.py).
  *
  * y[r][n] = sum over 32-wide blocks b of  sa[r][b] * (d[n][b] * S + m[n][b] * sq[r][b])
- * where S = sum_i q[n][32b + i] * qa[r][32b + i] is an exact integer (|S| < 2^24), qa the row's
+ * where S = sum_i q[n][32b + i] * qa[r][32b + i] is an exact integer (|S| < 2^31; converted to
+ * float once, with round-to-nearest on both paths), qa the row's
  * activations rounded to int16 with one scale sa per block, sq the sum of a block's qa, and the
  * weight w = d * q + m (GGUF Q4_1; Q4_0 has m = -8d, Q8_0 has m = 0). Integer sums are exact in
  * any order, and each output's float operations run in one fixed sequence (two FMAs and a product
@@ -129,7 +130,8 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * stride;
-        if (nr <= 2) /* few rows: the weights stream from memory, fetch them ahead */
+        if (nr <= 2) /* few rows: the weights stream from memory, fetch them ahead (a prefetch
+                      * past the last block is a hint, never a fault) */
             for (int64_t off = 0; off < stride; off += 64)
                 _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
         /* several independent integer chains per row (a VNNI op waits for the previous one on
