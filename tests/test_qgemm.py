@@ -147,7 +147,7 @@ def test_real_model_blocks_hold_the_loaded_weights():
 def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
     """The default takes the gguf mode on a CPU with AVX-512 VNNI (else mixed, silently); asked
     for on a model without GGUF blocks it runs mixed and says so. Each has its own namespace."""
-    import hotprefix.model.llama as llama
+    import hotprefix.model.linear as linear
     from hotprefix import LLM
 
     model = real_llm.engine.runner.model
@@ -156,7 +156,7 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
         assert isinstance(model.layers[0]["gate_up"], QuantWeight)
         assert isinstance(model.lm_head, QuantWeight) and model.lm_head.bits == 8
         assert isinstance(model.embed, BlockRows)  # no fp32 copy of the tied embedding
-    monkeypatch.setattr(llama, "vnni_available", lambda: False)
+    monkeypatch.setattr(linear, "vnni_available", lambda: False)
     mixed = LLM(kv_cache_memory="32MiB", num_threads=2)
     assert mixed.engine.runner.model.weight_mode == "mixed"
     assert mixed.engine.namespace != real_llm.engine.namespace or model.weight_mode == "mixed"

@@ -73,11 +73,11 @@ class ModelConfig:
     the CPU has AVX-512 VNNI and the model is a GGUF, else ``mixed``; ``dense`` in float32),
     ``gguf`` (the GGUF file's own Q4_0/Q4_1/Q8_0 blocks, multiplied with activations rounded to
     16-bit integers per block of 32: the fewest bytes read per token at fp32's top-1 agreement,
-    CPU only; tensors in other types run as ``mixed``), ``mixed`` (every GEMM on fp32 activations, weights held in fp16 where torch has
-    FBGEMM, else fp32; attention in fp32 on CPU; the KV pool in the compute dtype: >= 99% top-1
-    agreement with fp32), ``dense``/``bf16`` (every GEMM in the compute dtype:
-    the fastest prefill, about 1 point of top-1 below fp32 in bf16), ``int8`` (per-channel int8,
-    weight-only) or ``int4`` (4-bit in groups of 32, the GGUF's Q4_1 layout). Quantized modes read
+    CPU only; tensors in other types run as ``mixed``), ``mixed`` (every GEMM on fp32
+    activations, weights held in fp16 where torch has FBGEMM, else fp32; attention in fp32 on CPU;
+    the KV pool in the compute dtype: >= 99% top-1 agreement with fp32), ``dense``/``bf16`` (every
+    GEMM in the compute dtype: the fastest prefill, about 1 point of top-1 below fp32 in bf16),
+    ``int8`` (per-channel int8, weight-only) or ``int4`` (4-bit in groups of 32, the GGUF's Q4_1 layout). Quantized modes read
     fewer bytes per decoded token (CPU only). Every mode is batch-invariant; the quality of each is
     measured by ``benchmarks/bench_quality.py``."""
     num_threads: int | None = None

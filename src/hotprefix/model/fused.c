@@ -134,6 +134,20 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int thre
  * (a decode step's: 1,024 keys took 70 us on one thread, 96 on two) runs on the calling thread,
  * block by block (a cold 192-key gather: 27-29 us against 36 head by head). */
 #define GATHER_PAR_MIN (1 << 20) /* elements of K below which one thread gathers */
+
+/* len elements at element offset src of a pool (bf16 or fp32) -> fp32 out */
+static inline void widen_run(const void *cache, int bf16, int64_t src, float *out, int64_t len) {
+    if (bf16) {
+        const uint16_t *c = (const uint16_t *)cache + src;
+        for (int64_t j = 0; j < len; j++) {
+            uint32_t u = (uint32_t)c[j] << 16;
+            memcpy(out + j, &u, 4);
+        }
+    } else {
+        memcpy(out, (const float *)cache + src, len * sizeof(float));
+    }
+}
+
 void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
                      int64_t n, int64_t bs, int64_t nkv, int64_t hd, float *k_out, float *v_out,
                      int threads) {
@@ -142,19 +156,8 @@ void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const i
         /* whole blocks in turn: long contiguous runs (a decode's blocks are rarely in cache) */
         for (int64_t b = 0; b < n; b++) {
             if (table[b] < 0) continue; /* padding past the sequence: masked, left as is */
-            for (int kv = 0; kv < 2; kv++) {
-                const void *cache = kv ? v_cache : k_cache;
-                float *out = (kv ? v_out : k_out) + b * per;
-                if (bf16) {
-                    const uint16_t *c = (const uint16_t *)cache + table[b] * per;
-                    for (int64_t j = 0; j < per; j++) {
-                        uint32_t u = (uint32_t)c[j] << 16;
-                        memcpy(out + j, &u, 4);
-                    }
-                } else {
-                    memcpy(out, (const float *)cache + table[b] * per, per * sizeof(float));
-                }
-            }
+            widen_run(k_cache, bf16, table[b] * per, k_out + b * per, per);
+            widen_run(v_cache, bf16, table[b] * per, v_out + b * per, per);
         }
         return;
     }
@@ -170,17 +173,8 @@ void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const i
             for (int64_t b = 0; b < n; b++) {
                 if (table[b] < 0) continue; /* padding past the sequence: masked, left as is */
                 for (int64_t s = 0; s < bs; s++) {
-                    int64_t src = table[b] * per + (s * nkv + h0) * hd, dst = b * per + (s * nkv + h0) * hd;
-                    int64_t len = (h1 - h0) * hd;
-                    if (bf16) {
-                        const uint16_t *c = (const uint16_t *)cache + src;
-                        for (int64_t j = 0; j < len; j++) {
-                            uint32_t u = (uint32_t)c[j] << 16;
-                            memcpy(out + dst + j, &u, 4);
-                        }
-                    } else {
-                        memcpy(out + dst, (const float *)cache + src, len * sizeof(float));
-                    }
+                    int64_t off = (s * nkv + h0) * hd;
+                    widen_run(cache, bf16, table[b] * per + off, out + b * per + off, (h1 - h0) * hd);
                 }
             }
         }

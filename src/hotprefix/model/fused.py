@@ -77,8 +77,8 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     """Compile the source to a cached shared object (atomic rename: concurrent builds are safe)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *CFLAGS, version, " ".join(sorted(cpu_flags()))])
-                         .encode()).hexdigest()[:16]
+    parts = [*(s.read_text() for s in SOURCES), *CFLAGS, version, " ".join(sorted(cpu_flags()))]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     for d in (_cache_dir(), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
         out = d / f"fused-{key}.so"
         if out.exists():

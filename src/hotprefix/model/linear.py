@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from hotprefix.config import WEIGHT_MODES  # noqa: F401  (re-exported)
 from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.qlinear import vnni_available
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +175,15 @@ def high_linear(device: torch.device) -> tuple[Callable, Callable, str]:
 def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """The weight mode to run.
 
-    ``auto`` is ``mixed`` when the compute dtype is 16-bit and ``dense`` in fp32: the default keeps
-    >= 99% top-1 agreement with an fp32 reference (``benchmarks/bench_quality.py``). ``bf16`` means
+    ``auto`` is, when the compute dtype is 16-bit, ``gguf`` on a CPU whose vector path runs the
+    block kernel (``qlinear.vnni_available``; the model falls back to ``mixed`` without GGUF blocks)
+    and ``mixed`` elsewhere, and ``dense`` in fp32: the default keeps >= 99% top-1 agreement with
+    an fp32 reference (``benchmarks/bench_quality.py``). ``bf16`` means
     dense (every GEMM in the compute dtype: the fastest to prefill on this project's CPU, about 1
     point of top-1 below fp32 in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU
     only.
     """
-    if mode == "auto" and dtype != torch.float32 and device.type == "cpu":
+    if mode == "auto" and dtype != torch.float32 and device.type == "cpu" and vnni_available():
         return "gguf"
     if mode in ("auto", "mixed"):
         return "dense" if dtype == torch.float32 else "mixed"

@@ -22,7 +22,7 @@ from hotprefix.model.linear import (fp16_weights_available, high_linear, invaria
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
 from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
-                                     QuantWeight, vnni_available)
+                                     QuantWeight)
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,10 @@ class LlamaModel:
         self.device, self.dtype = device, dtype
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
         blocks = blocks or {}
-        # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py); the
-        # default only where the CPU runs its vector path, asked for anywhere the kernels build
+        # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py), where
+        # the kernels build and the model has blocks
         qlib = library() if self.weight_mode == "gguf" else None
-        if self.weight_mode == "gguf" and (qlib is None or not blocks or
-                                           (weight_mode == "auto" and not vnni_available())):
+        if self.weight_mode == "gguf" and (qlib is None or not blocks):
             if weight_mode != "auto":
                 log.warning("weights='gguf' needs %s: running weights='mixed'",
                             "the compiled kernels" if qlib is None else

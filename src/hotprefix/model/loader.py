@@ -16,7 +16,8 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ class LoadedModel:
     path: str
     tokenizer_source: str
     name: str
-    blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    blocks: dict[str, tuple[str, np.ndarray]] = dataclass_field(default_factory=dict)
     """A GGUF's block-quantized matrices as stored (HF name -> (GGUF type, raw bytes [rows, bytes a
     row]), Q/K rows in the same order as ``weights``): the ``gguf`` weight mode multiplies with
     them (``qlinear.GGUF_TYPES``)."""
@@ -180,6 +181,7 @@ def _load_gguf(path: str) -> LoadedModel:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         arr = arr.reshape(shape)
         name = t.name
+        heads = None  # Q/K rows llama.cpp permuted: un-permuted with their head count
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -190,19 +192,17 @@ def _load_gguf(path: str) -> LoadedModel:
             _, idx, kind, suffix = name.split(".", 3)
             if kind not in _GGUF_NAMES:
                 continue  # e.g. rope_freqs: unused
-            if permuted and kind == "attn_q":
-                arr = _unpermute(arr, n_heads)
-            elif permuted and kind == "attn_k":
-                arr = _unpermute(arr, n_kv)
+            if permuted:
+                heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
             hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
         else:
             continue
+        if heads:
+            arr = _unpermute(arr, heads)
         weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
         if t.tensor_type.name in GGUF_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0:
-            raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
-            if permuted and name.startswith("blk.") and kind in ("attn_q", "attn_k"):
-                raw = _unpermute(raw, n_heads if kind == "attn_q" else n_kv)
-            blocks[hf] = (t.tensor_type.name, np.ascontiguousarray(raw))
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)  # a block row per row
+            blocks[hf] = (t.tensor_type.name, np.ascontiguousarray(_unpermute(raw, heads) if heads else raw))
     _check_weights(arch, weights, path)
     fp = _file_digest([path], json.dumps(arch.__dict__, sort_keys=True))
     name = str(field("general.name") or os.path.basename(path))

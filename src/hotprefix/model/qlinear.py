@@ -216,7 +216,7 @@ class QuantLayers:
         rows, dim = h.shape
         out = torch.empty(rows, dim, dtype=torch.float32)
         wo, wgu, wd = layer["o"], layer["gate_up"], layer["down"]
-        if self.lib.qg_layer_post(o.data_ptr(), o.shape[-1] * (o.shape[-2] if o.dim() == 3 else 1),
+        if self.lib.qg_layer_post(o.data_ptr(), o.numel() // rows,
                                   h.data_ptr(), layer["post_norm"].data_ptr(), self.eps, rows, dim,
                                   wo.packed.data_ptr(), wo.bits, wgu.packed.data_ptr(), wgu.bits,
                                   self.inter, wd.packed.data_ptr(), wd.bits, out.data_ptr(),
