@@ -1,8 +1,8 @@
 """Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
-and small ops), plus the C kernels (the fused elementwise ones, the ``gguf`` mode's block GEMMs
-and its two calls a layer, timed around their ctypes calls: the profiler does not see them), next
-to the step's wall time with and without the profiler (the difference is the profiler's own cost
+and small ops), plus the C kernels (the fused elementwise ones, the C attention, the ``gguf``
+mode's block GEMMs and its two calls a layer, timed around their ctypes calls: the profiler does
+not see them), next to the step's wall time with and without the profiler (the difference is the profiler's own cost
 per operator call; what lies outside both is Python). The small operators are listed too.
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
@@ -36,6 +36,7 @@ def group_of(name: str) -> str:
 
 FUSED = "fused C kernels (ctypes calls included)"
 QGEMM = "gguf block GEMMs (C, ctypes calls and buffers included)"
+CATTN = "C attention (attn.c: read from the pool, ctypes call included)"
 QLAYER = "gguf layer calls (C: norms, the four GEMMs, RoPE and K/V write, SiLU)"
 
 
@@ -64,6 +65,7 @@ def time_c_kernels(model) -> tuple[dict, dict]:
         for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
             setattr(fused, name, _timed(getattr(fused, name), seconds, calls, FUSED))
         model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method
+        fused.attention = _timed(fused.attention, seconds, calls, CATTN)
     if model.quant_layers is not None:
         for name in ("pre", "post"):
             setattr(model.quant_layers, name,

@@ -79,6 +79,15 @@ class AttentionMetadata:
         default_factory=dict, compare=False, repr=False)
     _groups: dict[tuple[int, torch.dtype], list["DecodeGroup"]] = field(
         default_factory=dict, compare=False, repr=False)
+    _rows: dict[int, "RowPlan"] = field(default_factory=dict, compare=False, repr=False)
+
+    def row_plan(self, num_rows: int) -> "RowPlan":
+        """Every row's sequence and position, for a kernel that reads the pool itself
+        (``fused.FusedOps.attention``); planned once per forward pass."""
+        plan = self._rows.get(num_rows)
+        if plan is None:
+            plan = self._rows[num_rows] = _plan_rows(self, num_rows)
+        return plan
 
     def decode_groups(self, block_size: int, dtype: torch.dtype) -> list["DecodeGroup"]:
         """The decodes' attention calls, planned once per forward pass: runs of consecutive decode
@@ -97,6 +106,36 @@ class AttentionMetadata:
         if tiles is None:
             tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
         return tiles
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Row ``i`` of a step attends keys ``0..pos[i]`` of sequence ``seq[i]`` (-1: a padding row,
+    zeros), whose block table is ``tables[seq[i]]`` (entries past its blocks are never read)."""
+
+    tables: torch.Tensor  # [num_seqs, max_blocks] long
+    seq: torch.Tensor  # [num_rows] long
+    pos: torch.Tensor  # [num_rows] long
+
+
+def _plan_rows(meta: AttentionMetadata, n: int) -> RowPlan:
+    nd = meta.num_decode
+    dev = meta.slot_mapping.device
+    tables = [meta.decode_block_tables[i] for i in range(nd)] + [p.block_table for p in meta.prefills]
+    width = max((t.shape[0] for t in tables), default=1)
+    packed = torch.zeros(max(len(tables), 1), width, dtype=torch.long, device=dev)
+    for i, t in enumerate(tables):
+        packed[i, : t.shape[0]] = t
+    seq = torch.full((n,), -1, dtype=torch.long, device=dev)
+    pos = torch.zeros(n, dtype=torch.long, device=dev)
+    if nd:
+        seq[:nd] = torch.arange(nd, device=dev)
+        pos[:nd] = torch.tensor(meta.decode_context_lens[:nd], device=dev) - 1
+    for i, p in enumerate(meta.prefills):
+        past = p.context_len - (p.q_end - p.q_start)
+        seq[p.q_start:p.q_end] = nd + i
+        pos[p.q_start:p.q_end] = torch.arange(past, p.context_len, device=dev)
+    return RowPlan(packed, seq, pos)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

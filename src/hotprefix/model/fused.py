@@ -10,6 +10,8 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 - ``silu_mul``: SiLU(gate) * up;
 - ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 pool into fp32 for attention.
 
+``attn.c`` is attention itself, read straight from the pool (``attention``).
+
 Their arithmetic is row-local and in a fixed order (fixed lanes, a fixed combining tree, no FMA
 contraction), so a row's bits never depend on how many rows share the call, the thread count or the
 CPU (the kernels' own bits, that is: the GEMMs and attention around them are torch's): cold == warm
@@ -40,12 +42,15 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("fused.c", "qgemm.c", "qlayer.c")]
-"""The elementwise kernels, and the ``gguf`` weight mode's GEMM and layer calls (``qlinear.py``)."""
+SOURCES = [Path(__file__).with_name(f) for f in ("fused.c", "qgemm.c", "qlayer.c", "attn.c")]
+"""The elementwise kernels, attention, and the ``gguf`` weight mode's GEMM and layer calls (``qlinear.py``)."""
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
 the libgomp torch already loaded (same soname), so both share one thread pool."""
+C_ATTN_CHUNK = 16
+"""Keys per chunk of ``attn.c`` (its ``CH``): a row's result depends on this grid, so it is part of
+the numerics tag."""
 MAX_HEAD_DIM = 512
 """Largest head size ``rope_write_kv`` takes (its per-head scratch is on the stack)."""
 
@@ -63,6 +68,8 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_dequant_rows": ([_P, ctypes.c_int, _I, _I, _P, _I, _P], _I),
     "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
+    "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _P, _I, _P, _P, _F, _P, ctypes.c_int,
+                    ctypes.c_int], ctypes.c_int),
     "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
                        ctypes.c_int, _P, ctypes.c_int], ctypes.c_int),
 }
@@ -172,6 +179,23 @@ class FusedOps:
                                  int(k_cache.dtype == torch.bfloat16), idx.data_ptr(), idx.numel(),
                                  k_cache.shape[1], k_cache.shape[2], k_cache.shape[3],
                                  k_out.data_ptr(), v_out.data_ptr(), self.threads())
+
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, scale: float,
+                  portable: bool = False) -> torch.Tensor:
+        """``attn.c``: q [rows, nh, hd] fp32 -> [rows, nh, hd]; row i attends keys 0..pos[i] of
+        the sequence whose block table is ``tables[seq[i]]`` (seq -1: a padding row, zeros), read
+        from the pools [blocks, bs, nkv, hd]. ``portable``: the plain C path (the same bits)."""
+        out = torch.empty_like(q)
+        err = self.lib.attn_paged(q.data_ptr(), q.shape[0], self.nh, self.nkv, self.hd,
+                                  k_cache.data_ptr(), v_cache.data_ptr(),
+                                  int(k_cache.dtype == torch.bfloat16), k_cache.shape[1],
+                                  tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(),
+                                  scale, out.data_ptr(), self.threads(), int(portable))
+        if err:
+            raise MemoryError("attention scratch memory could not be allocated")
+        return out
 
 
 def fused_ops(enabled: bool, device: torch.device, pool_dtype: torch.dtype, eps: float,

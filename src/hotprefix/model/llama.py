@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
-from hotprefix.model.fused import fused_ops, library
+from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.fused import C_ATTN_CHUNK, fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
@@ -114,16 +115,19 @@ class LlamaModel:
         self.fused = (fused_ops(fused_kernels, device, dtype, arch.rms_norm_eps, arch.num_heads,
                                 arch.num_kv_heads, arch.head_dim)
                       if self.attn_dtype == torch.float32 else None)
-        # attention's K/V gathers, reused across layers and steps
+        # attention read straight from the pool in C (attn.c) where the kernels build with
+        # AVX-512; else torch's kernel on K/V gathered into scratch reused across layers and steps
+        self.c_attention = self.fused is not None and "avx512f" in cpu_flags()
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
         high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
                 + (f"-{high_tag}" if high_tag else ""))
-        attn = f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
+        attn = (f"/attn-c-k{C_ATTN_CHUNK}" if self.c_attention
+                else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
-        its fp32-input GEMMs hold weights), the attention dtype and key tile (``KV_TILE``: a row's
-        key count), and whether the fused kernels ran the elementwise work (their RMSNorm and SiLU
+        its fp32-input GEMMs hold weights), which attention ran (the C kernel and its key chunk, or
+        torch's in a dtype and key tile, ``KV_TILE``: a row's key count), and whether the fused kernels ran the elementwise work (their RMSNorm and SiLU
         round differently)."""
 
         def pk(op: str, names: list[str]):
@@ -246,6 +250,18 @@ class LlamaModel:
             logits.scatter_(1, top, exact)
         return logits
 
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+        """Attention for the fused layer loops; rows past ``n_real`` (padding) get zeros."""
+        if self.c_attention:
+            plan = meta.row_plan(q.shape[0])
+            return self.fused.attention(q, k_cache, v_cache, plan.tables, plan.seq, plan.pos,
+                                        self.scale)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
+        if q.shape[0] > n_real:
+            o[n_real:] = 0  # padding rows attend to nothing
+        return o
+
     def _layers_fused(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                       meta: AttentionMetadata, n_real: int) -> torch.Tensor:
         """The decoder layers with the elementwise work in the fused kernels: per layer four GEMMs,
@@ -258,9 +274,7 @@ class LlamaModel:
             x = f.add_rms_norm(h, pending, layer["in_norm"])
             qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv").float().contiguous()
             q = f.rope_write_kv(qkv, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
-            if n > n_real:
-                o[n_real:] = 0  # padding rows attend to nothing
+            o = self._attend(q, k_cache, v_cache, meta, n_real)
             attn = self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float().contiguous()
             x = f.add_rms_norm(h, attn, layer["post_norm"])
             gate_up = self._mm(x, layer["gate_up"], None, "gate_up").float().contiguous()
@@ -270,15 +284,13 @@ class LlamaModel:
     def _layers_quant(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                       meta: AttentionMetadata, n_real: int) -> torch.Tensor:
         """``_layers_fused`` with each layer's work before and after attention in one C call."""
-        ql, n = self.quant_layers, h.shape[0]
+        ql = self.quant_layers
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
         pending = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             q = ql.pre(h, pending, layer, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
-            if n > n_real:
-                o[n_real:] = 0  # padding rows attend to nothing
+            o = self._attend(q, k_cache, v_cache, meta, n_real)
             pending = ql.post(o, h, layer)
         return h.add_(pending)
 

@@ -1,0 +1,312 @@
+/* Paged attention read straight from the K/V pool, every query row in one fixed order.
+ *
+ * A query at position p attends keys 0..p of its sequence, read through its block table from the
+ * pool [blocks][block_size][nkv][hd] (bf16 or fp32, widened to fp32 as read). Keys are taken in
+ * chunks of CH at fixed positions (chunk c holds keys [c*CH, c*CH + CH)), and for each query:
+ *
+ *   s[k]  = sum over d, in order, of fma(q[d] * scale, K[k][d], .)       (one chain per key)
+ *   keys past p are masked; mc = max over the chunk (exact in any order)
+ *   m'    = max(m, mc); alpha = e^(m - m'); p[k] = e^(s[k] - m')          (exp_le0, below)
+ *   l     = l * alpha + tree sum of p                                     (fixed pairwise tree)
+ *   O[d]  = O[d] * alpha, then fma(p[k], V[k][d], O[d]) for the chunk's keys in order
+ *   out   = O / l after the last chunk
+ *
+ * Each step is one IEEE single-precision operation on values that depend only on the query, the
+ * keys 0..p and the chunk grid, so a row's bits do not depend on which rows share the call, how a
+ * prompt was cut into chunks, whether the row is a prefill or a decode, the thread count or the
+ * vector width the compiler picked (no FMA contraction, no fast-math: the build's flags). There
+ * is no gather into scratch and no padding of rows or keys, which the torch path needs for its
+ * bits (attention.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define CH 16        /* keys per chunk */
+#define QB 8         /* query vectors scored together: independent FMA chains */
+#define ROW_BLOCK 32 /* most query rows of one sequence in a work item */
+#define PAR_MIN 4096 /* query-vector chunks in a call from which threads share the items */
+
+static inline float widen_at(const void *cache, int bf16, int64_t i) {
+    if (bf16) {
+        uint32_t b = (uint32_t)((const uint16_t *)cache)[i] << 16;
+        float f;
+        memcpy(&f, &b, sizeof f);
+        return f;
+    }
+    return ((const float *)cache)[i];
+}
+
+/* e^x for x <= 0 (x = -inf included), 0 below -86 (the result would be under 4.4e-38 of the
+ * chunk's largest term). Cephes' expf: round x / ln 2 to n, reduce, degree-6 polynomial, scale by
+ * 2^n through the exponent bits (n >= -125, so no subnormal). Within about 2 ulp of e^x. */
+static inline float exp_le0(float x) {
+    float xc = fmaxf(x, -86.0f);
+    float n = fmaf(xc, 1.44269504088896341f, 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = fmaf(n, -0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n * (1 << 23);
+    memcpy(&p, &bits, sizeof p);
+    return x >= -86.0f ? p : 0.0f;
+}
+
+#ifdef __AVX512F__
+static inline __m512 widen16(const void *cache, int64_t i) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* exp_le0 on 16 lanes: the same operations in the same order, so the same bits. */
+static inline __m512 exp_le0_v(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-86.0f), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_max_ps(x, lo); /* NaN -> -86, as fmaxf */
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), xc);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_castsi512_ps(bits));
+}
+
+/* r[i][j] -> r[j][i] for 16 rows of 16 floats. */
+static inline void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+/* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
+ * every row's keys: masked, zeros keep the score chains finite). */
+static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t bs,
+                       int64_t nkv, int64_t hd, int64_t h, const int64_t *table, int64_t k0,
+                       int64_t nk, int portable) {
+#ifdef __AVX512F__
+    if (!portable && hd % CH == 0) {
+        for (int64_t db = 0; db < hd; db += CH) {
+            __m512 r[CH];
+            for (int64_t k = 0; k < CH; k++) {
+                if (k >= nk) {
+                    r[k] = _mm512_setzero_ps();
+                } else {
+                    int64_t t = k0 + k, base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd + db;
+                    r[k] = bf16 ? widen16(kc, base) : _mm512_loadu_ps((const float *)kc + base);
+                    _mm512_storeu_ps(vch + k * hd + db,
+                                     bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base));
+                }
+                if (k >= nk) _mm512_storeu_ps(vch + k * hd + db, r[k]);
+            }
+            transpose16(r);
+            for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
+        }
+        return;
+    }
+#endif
+    for (int64_t k = 0; k < CH; k++) {
+        if (k >= nk) {
+            for (int64_t d = 0; d < hd; d++) kt[d * CH + k] = 0.0f, vch[k * hd + d] = 0.0f;
+            continue;
+        }
+        int64_t t = k0 + k, base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+        for (int64_t d = 0; d < hd; d++) {
+            kt[d * CH + k] = widen_at(kc, bf16, base + d);
+            vch[k * hd + d] = widen_at(vc, bf16, base + d);
+        }
+    }
+}
+
+/* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
+ * online softmax state (m, l) and accumulators acc[j][hd] updated; vectors >= nq untouched. */
+static void chunk_update(const float *qs, const float *kt, const float *vch, int64_t hd,
+                         int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
+                         float *m, float *l, float *acc, int portable) {
+#ifdef __AVX512F__
+    if (!portable && hd % 64 == 0) {
+        __m512 s[QB];
+        for (int b = 0; b < QB; b++) s[b] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d++) {
+            const __m512 kd = _mm512_loadu_ps(kt + d * CH);
+            for (int b = 0; b < QB; b++)
+                s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(j0 + b) * hd + d]), kd, s[b]);
+        }
+        for (int b = 0; b < QB && j0 + b < nq; b++) {
+            const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1;
+            if (valid <= 0) continue;
+            const int nv = valid < CH ? (int)valid : CH;
+            const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
+            const __m512 sb = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[b]);
+            const float mn = fmaxf(m[j], _mm512_reduce_max_ps(sb));
+            const float alpha = exp_le0(m[j] - mn);
+            float p[CH];
+            const __m512 pv = exp_le0_v(_mm512_sub_ps(sb, _mm512_set1_ps(mn)));
+            _mm512_storeu_ps(p, pv);
+            const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(pv),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pv), 1)));
+            const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+            const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            l[j] = l[j] * alpha + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
+            m[j] = mn;
+            const __m512 av = _mm512_set1_ps(alpha);
+            float *o = acc + j * hd;
+            for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+                __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o + d0), av);
+                __m512 o1 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 16), av);
+                __m512 o2 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 32), av);
+                __m512 o3 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 48), av);
+                for (int k = 0; k < nv; k++) {
+                    const __m512 pk = _mm512_set1_ps(p[k]);
+                    const float *v = vch + k * hd + d0;
+                    o0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v), o0);
+                    o1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 16), o1);
+                    o2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 32), o2);
+                    o3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 48), o3);
+                }
+                _mm512_storeu_ps(o + d0, o0);
+                _mm512_storeu_ps(o + d0 + 16, o1);
+                _mm512_storeu_ps(o + d0 + 32, o2);
+                _mm512_storeu_ps(o + d0 + 48, o3);
+            }
+        }
+        return;
+    }
+#endif
+    float s[QB][CH];
+    memset(s, 0, sizeof s);
+    for (int64_t d = 0; d < hd; d++)
+        for (int b = 0; b < QB; b++) {
+            const float qd = qs[(j0 + b) * hd + d];
+            for (int k = 0; k < CH; k++) s[b][k] = fmaf(qd, kt[d * CH + k], s[b][k]);
+        }
+    for (int b = 0; b < QB && j0 + b < nq; b++) {
+        const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1;
+        if (valid <= 0) continue; /* this row's keys end before the chunk */
+        const int nv = valid < CH ? (int)valid : CH;
+        float p[CH], mc = -INFINITY;
+        for (int k = 0; k < CH; k++) {
+            if (k >= nv) s[b][k] = -INFINITY;
+            mc = fmaxf(mc, s[b][k]);
+        }
+        const float mn = fmaxf(m[j], mc), alpha = exp_le0(m[j] - mn);
+        for (int k = 0; k < CH; k++) p[k] = exp_le0(s[b][k] - mn);
+        float t8[8], t4[4];
+        for (int k = 0; k < 8; k++) t8[k] = p[k] + p[k + 8];
+        for (int k = 0; k < 4; k++) t4[k] = t8[k] + t8[k + 4];
+        l[j] = l[j] * alpha + ((t4[0] + t4[2]) + (t4[1] + t4[3]));
+        m[j] = mn;
+        float *o = acc + j * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = o[d] * alpha;
+        for (int k = 0; k < nv; k++) {
+            const float pk = p[k], *v = vch + k * hd;
+            for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pk, v[d], o[d]);
+        }
+    }
+}
+
+/* Query rows r0..r1 (one sequence, table) against KV head h: its g query heads per row. */
+static int attend_item(const float *q, float *out, int64_t nh, int64_t g, int64_t hd, int64_t h,
+                       const void *kc, const void *vc, int bf16, int64_t bs, int64_t nkv,
+                       const int64_t *table, const int64_t *pos, int64_t r0, int64_t r1,
+                       float scale, int portable) {
+    const int64_t nq = (r1 - r0) * g, nqp = (nq + QB - 1) / QB * QB;
+    float *scr = malloc((size_t)(2 * hd * CH + (nqp + nq) * hd + 2 * nq) * sizeof(float));
+    if (!scr) return -1;
+    float *kt = scr, *vch = kt + hd * CH, *qs = vch + CH * hd, *acc = qs + nqp * hd;
+    float *m = acc + nq * hd, *l = m + nq;
+    int64_t maxpos = 0;
+    for (int64_t r = r0; r < r1; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    for (int64_t j = 0; j < nqp; j++) { /* vectors past nq repeat the last: scored, unused */
+        int64_t jj = j < nq ? j : nq - 1, row = r0 + jj / g, head = h * g + jj % g;
+        const float *src = q + (row * nh + head) * hd;
+        for (int64_t d = 0; d < hd; d++) qs[j * hd + d] = src[d] * scale;
+    }
+    memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
+    for (int64_t j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    for (int64_t k0 = 0; k0 <= maxpos; k0 += CH) {
+        const int64_t nk = maxpos - k0 + 1 < CH ? maxpos - k0 + 1 : CH;
+        load_chunk(kt, vch, kc, vc, bf16, bs, nkv, hd, h, table, k0, nk, portable);
+        for (int64_t j0 = 0; j0 < nqp; j0 += QB)
+            chunk_update(qs, kt, vch, hd, j0, nq, g, pos + r0, k0, m, l, acc, portable);
+    }
+    for (int64_t j = 0; j < nq; j++) {
+        int64_t row = r0 + j / g, head = h * g + j % g;
+        float *dst = out + (row * nh + head) * hd;
+        for (int64_t d = 0; d < hd; d++) dst[d] = acc[j * hd + d] / l[j];
+    }
+    free(scr);
+    return 0;
+}
+
+/* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
+ * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
+ * [blocks][bs][nkv][hd], bf16 when bf16 else fp32. Consecutive rows of one sequence share a work
+ * item (up to ROW_BLOCK rows) per KV head. Returns 0, or -1 when scratch memory ran out. */
+int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
+               const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
+               const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
+               int portable) {
+    const int64_t g = nh / nkv;
+    int64_t *starts = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!starts) return -1;
+    int64_t nb = 0, work = 0;
+    for (int64_t r = 0; r < n;) {
+        int64_t e = r + 1;
+        if (seq[r] < 0) {
+            memset(out + r * nh * hd, 0, (size_t)(nh * hd) * sizeof(float));
+            r = e;
+            continue;
+        }
+        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
+        starts[nb++] = r;
+        work += (e - r) * g * (pos[e - 1] / CH + 1);
+        r = e;
+    }
+    starts[nb] = n;
+    int err = 0;
+    const int par = threads > 1 && work * nkv >= PAR_MIN;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (par) reduction(| : err)
+    for (int64_t it = 0; it < nb * nkv; it++) {
+        int64_t b = it / nkv, h = it % nkv, r0 = starts[b], r1 = r0 + 1;
+        while (r1 < n && r1 - r0 < ROW_BLOCK && seq[r1] == seq[r0]) r1++;
+        err |= attend_item(q, out, nh, g, hd, h, k_cache, v_cache, bf16, bs, nkv,
+                           tables + seq[r0] * tstride, pos, r0, r1, scale, portable);
+    }
+    free(starts);
+    return err ? -1 : 0;
+}

@@ -1,0 +1,140 @@
+"""The C attention kernel (``attn.c``), read straight from the paged pool: close to float64
+attention, and every query row's bits the same however its sequence was chunked, whatever else
+shares the call, prefill or decode, on any thread count and on the portable C path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix.model import fused
+from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+
+pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler")
+
+NB = 300
+
+
+def _setup(nh, nkv, hd, bs, pool_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(NB, bs, nkv, hd, generator=g).to(pool_dtype)
+    v = torch.randn(NB, bs, nkv, hd, generator=g).to(pool_dtype)
+    ops = fused.FusedOps(fused.library(), 1e-5, nh, nkv, hd)
+    return ops, k, v, g
+
+
+def _run(ops, k, v, q, meta, threads=None, portable=False):
+    plan = meta.row_plan(q.shape[0])
+    if threads is None:
+        return ops.attention(q, k, v, plan.tables, plan.seq, plan.pos, ops.hd ** -0.5, portable)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return ops.attention(q, k, v, plan.tables, plan.seq, plan.pos, ops.hd ** -0.5, portable)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _prefill_meta(table, start, n, bs):
+    nb = -(-(start + n) // bs)
+    return AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long),
+                             prefills=[PrefillSeq(0, n, start + n, torch.tensor(table[:nb]))])
+
+
+def _decode_meta(tables, ctxs, bs):
+    width = max(-(-c // bs) for c in ctxs)
+    t = torch.tensor([tb[:width] + [0] * (width - len(tb[:width])) for tb in tables])
+    return AttentionMetadata(slot_mapping=torch.zeros(len(ctxs), dtype=torch.long),
+                             num_decode=len(ctxs), decode_block_tables=t, decode_context_lens=list(ctxs))
+
+
+def _reference(q, k, v, table, bs, positions):
+    """float64 causal attention of rows at ``positions`` of one sequence."""
+    nh, nkv = q.shape[1], k.shape[2]
+    n = max(positions) + 1
+    t = torch.arange(n)
+    slots = torch.tensor(table)[t // bs] * bs + t % bs
+    kk = k.reshape(-1, nkv, k.shape[-1])[slots].double()
+    vv = v.reshape(-1, nkv, v.shape[-1])[slots].double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, p in enumerate(positions):
+        for h in range(nh):
+            s = kk[: p + 1, h // (nh // nkv)] @ q[i, h].double() * q.shape[-1] ** -0.5
+            out[i, h] = torch.softmax(s, 0) @ vv[: p + 1, h // (nh // nkv)]
+    return out
+
+
+@pytest.mark.parametrize("nh,nkv,hd,bs,pool_dtype", [
+    (9, 3, 64, 16, torch.bfloat16),   # the default model's shape and pool
+    (9, 3, 64, 16, torch.float32),    # an fp32 engine's pool
+    (4, 4, 128, 32, torch.bfloat16),  # no GQA, a wider head, larger blocks
+    (6, 2, 32, 8, torch.bfloat16),    # a head the vector path only partly covers, small blocks
+    (2, 1, 48, 24, torch.float32),    # a head size that is not a multiple of 16, odd blocks
+])
+def test_close_to_float64(nh, nkv, hd, bs, pool_dtype):
+    ops, k, v, g = _setup(nh, nkv, hd, bs, pool_dtype)
+    seq_len = 200
+    table = torch.randperm(NB, generator=g)[: -(-seq_len // bs)].tolist()
+    q = torch.randn(seq_len, nh, hd, generator=g)
+    out = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs))
+    ref = _reference(q, k, v, table, bs, list(range(seq_len)))
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-5, err
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_row_bits_independent_of_chunking_batch_phase_threads_and_path(pool_dtype):
+    bs = 16
+    ops, k, v, g = _setup(9, 3, 64, bs, pool_dtype)
+    seq_len = 700
+    table = torch.randperm(NB, generator=g)[: -(-seq_len // bs)].tolist()
+    q = torch.randn(seq_len, 9, 64, generator=g)
+    ref = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs))
+    probe = [0, 1, 15, 16, 17, 31, 32, 255, 256, 511, 512, 699]
+    for start, n in [(0, 1), (0, 17), (5, 300), (16, 16), (600, 100), (699, 1), (1, 699)]:
+        out = _run(ops, k, v, q[start:start + n].contiguous(), _prefill_meta(table, start, n, bs))
+        for p in probe:
+            if start <= p < start + n:
+                assert torch.equal(out[p - start], ref[p]), (start, n, p)
+    one = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs), threads=1)
+    assert torch.equal(one, ref)
+    portable = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs), portable=True)
+    assert torch.equal(portable, ref)
+    others = [torch.randperm(NB, generator=g)[:40].tolist() for _ in range(2)]
+    for p in probe:
+        alone = _run(ops, k, v, q[p:p + 1].contiguous(), _decode_meta([table], [p + 1], bs))
+        assert torch.equal(alone[0], ref[p]), p
+        batch = torch.stack([q[3], q[p], q[9]])
+        out = _run(ops, k, v, batch, _decode_meta([others[0], table, others[1]], [600, p + 1, 7], bs))
+        assert torch.equal(out[1], ref[p]), p
+
+
+def test_mixed_step_padding_rows_and_garbage_past_the_context():
+    """Decodes and two prefill chunks in one call, padding rows after them; pool slots past each
+    sequence hold NaN and inf, which must not reach any output."""
+    bs = 16
+    ops, k, v, g = _setup(9, 3, 64, bs, torch.bfloat16)
+    lens = [37, 64, 100]
+    tables = [torch.randperm(NB, generator=g)[: -(-n // bs)].tolist() for n in lens]
+    for t, n in zip(tables, lens):  # poison the tail of each sequence's last block
+        last, used = t[-1], n - (len(t) - 1) * bs
+        k[last, used:] = float("nan")
+        v[last, used:] = float("inf")
+    qs = [torch.randn(n, 9, 64, generator=g) for n in lens]
+    # decode row: the first sequence's last token; prefill: the second sequence's last 30, the
+    # third's tokens 50..99; then 3 padding rows
+    rows = torch.cat([qs[0][-1:], qs[1][-30:], qs[2][50:], torch.randn(3, 9, 64, generator=g)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(81, dtype=torch.long), num_decode=1,
+        decode_block_tables=torch.tensor([tables[0]]), decode_context_lens=[37],
+        prefills=[PrefillSeq(1, 31, 64, torch.tensor(tables[1])),
+                  PrefillSeq(31, 81, 100, torch.tensor(tables[2]))])
+    out = _run(ops, k, v, rows.contiguous(), meta)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[-3:], torch.zeros(3, 9, 64))
+    for i, (tab, n) in enumerate(zip(tables, lens)):
+        full = _run(ops, k, v, qs[i], _prefill_meta(tab, 0, n, bs))
+        assert torch.isfinite(full).all()
+        got = {0: out[:1], 1: out[1:31], 2: out[31:81]}[i]
+        want = {0: full[-1:], 1: full[-30:], 2: full[50:]}[i]
+        assert torch.equal(got, want), i
