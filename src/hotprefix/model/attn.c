@@ -29,7 +29,8 @@
 #define CH 16        /* keys per chunk */
 #define QB 8         /* query vectors scored together: independent FMA chains */
 #define ROW_BLOCK 32 /* most query rows of one sequence in a work item */
-#define PAR_MIN 4096 /* query-vector chunks in a call from which threads share the items */
+#define PREFETCH 2   /* chunks ahead whose K/V rows are prefetched (a decode reads the pool cold) */
+#define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
 
 static inline float widen_at(const void *cache, int bf16, int64_t i) {
     if (bf16) {
@@ -152,6 +153,18 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
     }
 }
 
+#ifdef __AVX512F__
+/* s[b][k] for nb (a constant where inlined) query vectors: one FMA chain over d per key. */
+static inline __attribute__((always_inline)) void scores_avx(const float *qs, const float *kt,
+                                                             int64_t hd, __m512 *s, const int nb) {
+    for (int b = 0; b < nb; b++) s[b] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        const __m512 kd = _mm512_loadu_ps(kt + d * CH);
+        for (int b = 0; b < nb; b++) s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + d]), kd, s[b]);
+    }
+}
+#endif
+
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
  * online softmax state (m, l) and accumulators acc[j][hd] updated; vectors >= nq untouched. */
 static void chunk_update(const float *qs, const float *kt, const float *vch, int64_t hd,
@@ -160,12 +173,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, int
 #ifdef __AVX512F__
     if (!portable && hd % 64 == 0) {
         __m512 s[QB];
-        for (int b = 0; b < QB; b++) s[b] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < hd; d++) {
-            const __m512 kd = _mm512_loadu_ps(kt + d * CH);
-            for (int b = 0; b < QB; b++)
-                s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(j0 + b) * hd + d]), kd, s[b]);
-        }
+        if (nq - j0 <= QB / 2) /* a decode's few vectors: no chains for padding vectors */
+            scores_avx(qs + j0 * hd, kt, hd, s, QB / 2);
+        else
+            scores_avx(qs + j0 * hd, kt, hd, s, QB);
         for (int b = 0; b < QB && j0 + b < nq; b++) {
             const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1;
             if (valid <= 0) continue;
@@ -260,6 +271,16 @@ static int attend_item(const float *q, float *out, int64_t nh, int64_t g, int64_
     for (int64_t j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
     for (int64_t k0 = 0; k0 <= maxpos; k0 += CH) {
         const int64_t nk = maxpos - k0 + 1 < CH ? maxpos - k0 + 1 : CH;
+        const int64_t ahead = k0 + PREFETCH * CH; /* a later chunk's rows on their way meanwhile */
+        for (int64_t t = ahead; t < ahead + CH && t <= maxpos; t++) {
+            const int64_t base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+            const char *kr = (const char *)kc + base * (bf16 ? 2 : 4);
+            const char *vr = (const char *)vc + base * (bf16 ? 2 : 4);
+            for (int64_t b = 0; b < hd * (bf16 ? 2 : 4); b += 64) {
+                __builtin_prefetch(kr + b);
+                __builtin_prefetch(vr + b);
+            }
+        }
         load_chunk(kt, vch, kc, vc, bf16, bs, nkv, hd, h, table, k0, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
             chunk_update(qs, kt, vch, hd, j0, nq, g, pos + r0, k0, m, l, acc, portable);
