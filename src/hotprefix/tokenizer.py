@@ -14,10 +14,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
+import shutil
+import tempfile
 from typing import Any, Sequence
 
 from transformers.utils import logging as hf_logging
+
+from hotprefix.cachedir import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
@@ -29,6 +36,41 @@ def _quiet_hf() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """A GGUF file's tokenizer. transformers builds it from the file's metadata in seconds (every
+    token and merge parsed in Python), so the result is saved once per file under the cache
+    directory (keyed by the file's path, size and modification time and the transformers version)
+    and loaded from there afterwards, in a fraction of a second. A cache that cannot be written or
+    read is passed over: the tokenizer is then built from the file."""
+    from transformers import AutoTokenizer
+    from transformers import __version__ as hf_version
+
+    st = os.stat(path)
+    ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{hf_version}"
+    saved = cache_dir("tokenizers") / hashlib.sha256(ident.encode()).hexdigest()[:16]
+    if saved.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception as e:  # a damaged entry: rebuilt from the file below
+            log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
+            shutil.rmtree(saved, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                        gguf_file=os.path.basename(path))
+    tmp = None
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=saved.parent)
+        tok.save_pretrained(tmp)
+        os.rename(tmp, saved)  # whole or not at all
+        tmp = None
+    except Exception as e:  # not writable, disk full, or another process saved it first
+        log.info("tokenizer not cached (%s)", e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 class Tokenizer:
@@ -70,8 +112,7 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer source not found: {path}")
         try:
             if path.endswith(".gguf"):
-                tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                    gguf_file=os.path.basename(path))
+                tok = _gguf_tokenizer(path)
             elif os.path.isdir(path):
                 tok = AutoTokenizer.from_pretrained(path)
             elif path.endswith(".json"):

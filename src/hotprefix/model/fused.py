@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hotprefix.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -75,18 +76,12 @@ _SIGNATURES = {  # name -> (argument types, return type)
 }
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("HOTPREFIX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hotprefix")
-    return Path(root) / "kernels"
-
-
 def _build(cc: str) -> Path:
     """Compile the source to a cached shared object (atomic rename: concurrent builds are safe)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [*(s.read_text() for s in SOURCES), *CFLAGS, version, " ".join(sorted(cpu_flags()))]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    for d in (_cache_dir(), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
+    for d in (cache_dir("kernels"), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
         out = d / f"fused-{key}.so"
         if out.exists():
             return out

@@ -1,0 +1,60 @@
+"""A GGUF's tokenizer is built from the file once and read back from the cache directory after:
+the same ids, text, chat rendering, stop tokens and fingerprint (the prefix cache's namespace must
+not change across restarts), and a damaged or unwritable cache never stops a load."""
+
+from __future__ import annotations
+
+import transformers
+
+from hotprefix.model.loader import default_model_path
+from hotprefix.tokenizer import Tokenizer
+
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café 東京 🚀",
+         "<|im_start|>user\nhi<|im_end|>", "x" * 300]
+CHAT = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def _observed(tok: Tokenizer) -> tuple:
+    ids = [tok.encode(t) for t in TEXTS]
+    return (tok.fingerprint, tok.vocab_size, tok.eos_token_ids, tok.skipped_token_ids, ids,
+            [tok.decode(i, skip_special_tokens=False) for i in ids], tok.render_chat(CHAT),
+            tok.max_token_bytes)
+
+
+def _sources(monkeypatch) -> list[str]:
+    """Record where each tokenizer load reads from (a directory, and a GGUF file name if any)."""
+    seen: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def spy(cls, path, *a, **k):
+        seen.append(k.get("gguf_file") or str(path))
+        return real(cls, path, *a, **k)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(spy))
+    return seen
+
+
+def test_built_once_then_read_from_the_cache_with_the_same_behaviour(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+    seen = _sources(monkeypatch)
+    gguf = default_model_path()
+    first = Tokenizer.load(gguf)
+    entries = list((tmp_path / "tokenizers").iterdir())
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").exists()
+    second = Tokenizer.load(gguf)
+    assert seen == [gguf.rsplit("/", 1)[-1], str(entries[0])]  # the file, then the cache
+    assert _observed(second) == _observed(first)
+
+
+def test_a_damaged_entry_is_rebuilt_and_an_unwritable_cache_is_passed_over(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+    gguf = default_model_path()
+    want = _observed(Tokenizer.load(gguf))
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    (entry / "tokenizer.json").write_text("{not json")
+    assert _observed(Tokenizer.load(gguf)) == want
+    assert (entry / "tokenizer.json").read_text().startswith("{\n")  # written again, whole
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(blocked))  # a directory cannot be made under it
+    assert _observed(Tokenizer.load(gguf)) == want
