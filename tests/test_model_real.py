@@ -113,3 +113,25 @@ def test_cli_generate_default_model():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "model not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_unsupported_tensor_type_is_a_clear_load_error(tmp_path):
+    """A tensor of a type gguf cannot dequantize fails the load with its name, even though the
+    weights are dequantized only when read."""
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "q81.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for add, v in ((w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_head_count, 4),
+                   (w.add_feed_forward_length, 128), (w.add_vocab_size, 32), (w.add_context_length, 64)):
+        add(v)
+    kind = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    w.add_tensor("token_embd.weight", np.zeros((32, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="token_embd.weight uses quantization Q8_1"):
+        load_model(path)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from hotprefix import SamplingParams
 from hotprefix.model.fused import library
 from hotprefix.model.qlinear import BlockRows, QuantLayers, QuantLinear, QuantWeight, unpack_gguf_blocks
 
@@ -170,6 +171,29 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
 
 
 @pytest.mark.model
+def test_gguf_mode_never_dequantizes_its_block_matrices(monkeypatch):
+    """The loader dequantizes a tensor only when the model reads it, and the gguf mode reads only
+    those without blocks (the norms here): no fp32 copy of the model is made at start-up."""
+    import gguf.quants
+
+    from hotprefix import LLM
+
+    seen: list[int] = []
+    real = gguf.quants.dequantize
+
+    def counted(data, qtype):
+        seen.append(data.nbytes)
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counted)
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2)
+    if llm.engine.runner.model.weight_mode != "gguf":
+        pytest.skip("the gguf mode does not run here")
+    assert len(seen) > 200  # every tensor's first row is checked at load time
+    assert 0 < sum(seen) < 2**20, sum(seen)  # the norms: 61 x 576 fp32, not 100 MB of blocks
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+
+
 def test_layer_calls_give_the_per_kernel_bits(real_llm):
     """The two-call layer (``qlayer.c``) runs the kernels the per-kernel loop runs, in the same
     order: the same logits to the bit, prefill and decode-written K/V alike."""

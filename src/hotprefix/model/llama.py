@@ -23,7 +23,7 @@ from hotprefix.model.linear import (fp16_weights_available, high_linear, invaria
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
 from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
-                                     QuantWeight)
+                                     QuantWeight, block_columns)
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class LlamaModel:
 
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):
-                return QuantWeight([blocks[n] for n in names], weights[names[0]].shape[1])
+                return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]))
             t = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names], 0)
             return pack32(t) if op in self.fp32_ops else pack(t)
 

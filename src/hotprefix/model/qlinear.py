@@ -78,6 +78,11 @@ def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> np.nd
     return np.ascontiguousarray(np.concatenate([qbytes, lanes(d), lanes(m)], axis=-1))
 
 
+def block_columns(kind: str, raw: np.ndarray) -> int:
+    """Input columns of a GGUF matrix held as ``raw`` bytes [rows, bytes a row] of ``kind``."""
+    return raw.shape[1] // BLOCK_BYTES[kind] * BLOCK
+
+
 class QuantWeight:
     """A weight held in the kernel's block layout (``pack_blocks``)."""
 
