@@ -37,6 +37,7 @@ def group_of(name: str) -> str:
 FUSED = "fused C kernels (ctypes calls included)"
 QGEMM = "gguf block GEMMs (C, ctypes calls and buffers included)"
 CATTN = "C attention (attn.c: read from the pool, ctypes call included)"
+ALL_LAYERS = "every layer in one C call (the gguf layer calls and the C attention)"
 QLAYER = "gguf layer calls (C: norms, the four GEMMs, RoPE and K/V write, SiLU)"
 
 
@@ -70,6 +71,8 @@ def time_c_kernels(model) -> tuple[dict, dict]:
         for name in ("pre", "post"):
             setattr(model.quant_layers, name,
                     _timed(getattr(model.quant_layers, name), seconds, calls, QLAYER))
+        model.quant_layers.all_layers = _timed(model.quant_layers.all_layers, seconds, calls,
+                                               ALL_LAYERS)
     if isinstance(model.linear32, QuantLinear):
         model.linear32 = _timed(model.linear32, seconds, calls, QGEMM,
                                 lambda x, w, b: isinstance(w, QuantWeight))
@@ -88,6 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps profiled (default 64)")
     ap.add_argument("--top", type=int, default=12, help="small operators listed (default 12)")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="a Python call a layer instead of one for all (LlamaModel.all_layers_call)")
     args = ap.parse_args()
     common.setup_threads(args.threads)
     opts = {k: v for k, v in (("weights", args.weights), ("dtype", args.dtype)) if v}
@@ -96,6 +101,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
     llm.generate(ids, params, use_tqdm=False)  # warm-up
     eng = llm.engine
+    eng.runner.model.all_layers_call = not args.per_layer
     kernel_s, kernel_calls = time_c_kernels(eng.runner.model)
 
     def decode_steps(profiler=None) -> tuple[float, int]:

@@ -171,6 +171,32 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
 
 
 @pytest.mark.model
+def test_a_cpu_without_native_bf16_gets_the_gguf_default_and_the_same_tokens(real_llm, monkeypatch):
+    """Where bf16 matmuls are missing or slow (the dtype probe says fp32), the gguf mode still
+    runs by default, storing K/V in bf16: it does no bf16 arithmetic, so it computes what it
+    computes here, bit for bit (the same namespace, the same tokens). Other weight modes follow the
+    probe."""
+    import hotprefix.engine.runner as runner
+    from hotprefix import LLM
+    from hotprefix.model.dtype_probe import DtypeChoice
+
+    if real_llm.engine.runner.model.weight_mode != "gguf":
+        pytest.skip("the gguf mode does not run here")
+    monkeypatch.setattr(runner, "probed_cpu_dtype",
+                        lambda: DtypeChoice(torch.float32, False, 0.0, "float32: no native bf16"))
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2)
+    model = llm.engine.runner.model
+    assert model.dtype == torch.bfloat16 and model.weight_mode == "gguf"
+    assert llm.engine.namespace == real_llm.engine.namespace
+    prompts = [real_llm.tokenizer.encode("The three primary colours are"), [1, 2, 3, 4, 5]]
+    params = SamplingParams(max_tokens=12)
+    assert ([o.token_ids for o in llm.generate(prompts, params)]
+            == [o.token_ids for o in real_llm.generate(prompts, params)])
+    mixed = LLM(kv_cache_memory="32MiB", num_threads=2, weights="mixed")
+    assert mixed.engine.runner.model.dtype == torch.float32  # the probe's choice
+
+
+@pytest.mark.model
 def test_gguf_mode_never_dequantizes_its_block_matrices(monkeypatch):
     """The loader dequantizes a tensor only when the model reads it, and the gguf mode reads only
     those without blocks (the norms here): no fp32 copy of the model is made at start-up."""
@@ -196,7 +222,8 @@ def test_gguf_mode_never_dequantizes_its_block_matrices(monkeypatch):
 
 def test_layer_calls_give_the_per_kernel_bits(real_llm):
     """The two-call layer (``qlayer.c``) runs the kernels the per-kernel loop runs, in the same
-    order: the same logits to the bit, prefill and decode-written K/V alike."""
+    order, and the one call for every layer (with the C attention) the two-call layers': the same
+    logits to the bit, and the same greedy tokens from decode steps."""
     from hotprefix import quality
 
     model = real_llm.engine.runner.model
@@ -205,13 +232,19 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
     ids = real_llm.tokenizer.encode("The ferry to the outer islands leaves the harbour at seven, "
                                     "unless the wind from the north is strong. " * 6)
     layers = model.quant_layers
+    runs, tokens = [], []
     try:
-        fast = quality.all_position_logits(real_llm.engine.runner, ids)
-        model.quant_layers = None
-        slow = quality.all_position_logits(real_llm.engine.runner, ids)
+        for all_layers, quant in ((True, layers), (False, layers), (False, None)):
+            model.all_layers_call, model.quant_layers = all_layers, quant
+            runs.append(quality.all_position_logits(real_llm.engine.runner, ids))
+            real_llm.reset_prefix_cache()
+            out = real_llm.generate([ids[:40], ids[:23]], SamplingParams(max_tokens=12))
+            tokens.append([o.token_ids for o in out])
     finally:
-        model.quant_layers = layers
-    assert fast.shape[0] == len(ids) and torch.equal(fast, slow)
+        model.all_layers_call, model.quant_layers = True, layers
+    assert runs[0].shape[0] == len(ids)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+    assert tokens[0] == tokens[1] == tokens[2]
 
 
 def test_tiny_model_with_bias_and_mixed_block_types():

@@ -65,8 +65,10 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``."""
     dtype: str = "auto"
-    """Compute dtype: ``auto`` (bfloat16 on CUDA and on CPUs with native, measurably faster bf16
-    matmuls -- AMX or AVX512-BF16 -- float32 on other CPUs; the choice is logged), ``float32``,
+    """Compute dtype: ``auto`` (bfloat16 on CUDA, on a CPU where ``weights`` ``auto`` runs the
+    ``gguf`` mode -- it computes in fp32 and 16-bit integers, and bf16 only stores K/V -- and on
+    CPUs with native, measurably faster bf16 matmuls -- AMX or AVX512-BF16 -- float32 on other
+    CPUs; the choice is logged), ``float32``,
     ``bfloat16``, ``float16``. Every dtype is batch-invariant: cold and warm results are identical."""
     weights: str = "auto"
     """How the weights are held and multiplied: ``auto`` (on CPU in a 16-bit dtype ``gguf`` where

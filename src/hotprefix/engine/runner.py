@@ -19,8 +19,10 @@ import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.scheduler import ScheduledChunk
-from hotprefix.model.dtype_probe import probed_cpu_dtype
 from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq, padded_len
+from hotprefix.model.dtype_probe import probed_cpu_dtype
+from hotprefix.model.fused import library
+from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
 from hotprefix.sampling import sample
@@ -39,12 +41,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype: as asked, or for ``auto`` bf16 on CUDA and on CPUs that multiply bf16
-    natively and fast (probed, and logged), fp32 elsewhere."""
+def pick_dtype(name: str, device: torch.device, gguf_default: bool = False) -> torch.dtype:
+    """The compute dtype: as asked, or for ``auto`` bf16 on CUDA, on a CPU where the ``gguf``
+    weight mode will run (``gguf_default``: every GEMM takes fp32 inputs, quantized to 16-bit
+    integers, and attention runs in fp32, so bf16 only stores K/V, at half fp32's bytes, and needs
+    no bf16 arithmetic from the CPU), and on CPUs that multiply bf16 natively and fast (probed);
+    fp32 elsewhere. The choice is logged."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
+        return torch.bfloat16
+    if gguf_default:
+        log.info("dtype auto -> bfloat16: the gguf weight mode computes in fp32 and 16-bit "
+                 "integers; bf16 stores K/V")
         return torch.bfloat16
     choice = probed_cpu_dtype()
     log.info("dtype auto -> %s", choice.reason)
@@ -85,7 +94,9 @@ class ModelRunner:
         if model_cfg.num_threads:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = pick_device(model_cfg.device)
-        self.dtype = pick_dtype(model_cfg.dtype, self.device)
+        gguf_default = (model_cfg.weights == "auto" and bool(loaded.blocks) and library() is not None
+                        and resolve_weights("auto", self.device, torch.bfloat16) == "gguf")
+        self.dtype = pick_dtype(model_cfg.dtype, self.device, gguf_default)
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,

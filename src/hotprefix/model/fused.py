@@ -71,6 +71,9 @@ _SIGNATURES = {  # name -> (argument types, return type)
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _P, _I, _P, _P, _F, _P, ctypes.c_int,
                     ctypes.c_int], ctypes.c_int),
+    "qg_layer_fields": ([], _I),
+    "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, _I,
+                   _P, _I, _P, _P, _F, ctypes.c_int], _I),
     "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
                        ctypes.c_int, _P, ctypes.c_int], ctypes.c_int),
 }

@@ -118,6 +118,10 @@ class LlamaModel:
         # attention read straight from the pool in C (attn.c) where the kernels build with
         # AVX-512; else torch's kernel on K/V gathered into scratch reused across layers and steps
         self.c_attention = self.fused is not None and "avx512f" in cpu_flags()
+        self.all_layers_call = True
+        """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
+        one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
+        makes the same calls (tests compare the two)."""
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
         high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
                 + (f"-{high_tag}" if high_tag else ""))
@@ -283,10 +287,14 @@ class LlamaModel:
 
     def _layers_quant(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                       meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """``_layers_fused`` with each layer's work before and after attention in one C call."""
+        """``_layers_fused`` with each layer's work before and after attention in one C call, or
+        with the C attention, every layer in one call (``all_layers_call``; the same bits)."""
         ql = self.quant_layers
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
+        if self.c_attention and self.all_layers_call:
+            return ql.all_layers(h, self.layers, kv_caches, self.rope.cos, self.rope.sin,
+                                 positions, slots, meta.row_plan(h.shape[0]), self.scale)
         pending = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             q = ql.pre(h, pending, layer, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)

@@ -194,6 +194,45 @@ class QuantLayers:
                  intermediate: int):
         self.lib, self.eps = lib, eps
         self.nh, self.nkv, self.hd, self.inter = num_heads, num_kv_heads, head_dim, intermediate
+        self._table: torch.Tensor | None = None  # qg_layers' pointers, for one set of KV pools
+        self._table_key: tuple = ()
+
+    def _layer_table(self, layers: list[dict], kv_caches: list[tuple]) -> torch.Tensor:
+        """Each layer's norms, blocks, bit counts, bias and K/V pools, as ``qg_layers`` reads them:
+        built once per set of pools (the tensors it points at live as long as the model)."""
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if self._table is None or key != self._table_key:
+            rows = []
+            for layer, (kc, vc) in zip(layers, kv_caches):
+                qkv, o, gu, down, bias = (layer[n] for n in ("qkv", "o", "gate_up", "down", "qkv_bias"))
+                rows.append([layer["in_norm"].data_ptr(), layer["post_norm"].data_ptr(),
+                             qkv.packed.data_ptr(), qkv.bits, 0 if bias is None else bias.data_ptr(),
+                             o.packed.data_ptr(), o.bits, gu.packed.data_ptr(), gu.bits,
+                             down.packed.data_ptr(), down.bits, kc.data_ptr(), vc.data_ptr()])
+            assert len(rows[0]) == self.lib.qg_layer_fields()
+            self._table, self._table_key = torch.tensor(rows, dtype=torch.int64), key
+        return self._table
+
+    def all_layers(self, h: torch.Tensor, layers: list[dict], kv_caches: list[tuple],
+                   cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, plan, scale: float) -> torch.Tensor:
+        """Every layer in one call (``qg_layers``: ``pre``, the C attention on ``plan``'s rows
+        (``attention.RowPlan``), ``post``, as the per-layer loop calls them): ``h`` updated in
+        place and returned."""
+        rows, dim = h.shape
+        kc = kv_caches[0][0]
+        bad = self.lib.qg_layers(
+            h.data_ptr(), rows, dim, len(layers), self._layer_table(layers, kv_caches).data_ptr(),
+            self.eps, self.nh, self.nkv, self.hd, self.inter, cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], positions.data_ptr(), slots.data_ptr(), slots.shape[0],
+            int(kc.dtype == torch.bfloat16), kc.shape[1], plan.tables.data_ptr(),
+            plan.tables.shape[1], plan.seq.data_ptr(), plan.pos.data_ptr(), scale,
+            torch.get_num_threads())
+        if bad < 0:
+            raise MemoryError(f"no memory for a {rows}-row layer's activations")
+        if bad:
+            raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
+        return h
 
     def pre(self, h: torch.Tensor, pending: torch.Tensor | None, layer: dict, cos: torch.Tensor,
             sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
