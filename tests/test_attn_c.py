@@ -101,9 +101,11 @@ def test_row_bits_independent_of_chunking_batch_phase_threads_and_path(pool_dtyp
     portable = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs), portable=True)
     assert torch.equal(portable, ref)
     others = [torch.randperm(NB, generator=g)[:40].tolist() for _ in range(2)]
-    for p in probe:
+    for p in probe:  # a decode's segments split over threads, or one item on one thread
         alone = _run(ops, k, v, q[p:p + 1].contiguous(), _decode_meta([table], [p + 1], bs))
         assert torch.equal(alone[0], ref[p]), p
+        one = _run(ops, k, v, q[p:p + 1].contiguous(), _decode_meta([table], [p + 1], bs), threads=1)
+        assert torch.equal(one[0], ref[p]), p
         batch = torch.stack([q[3], q[p], q[9]])
         out = _run(ops, k, v, batch, _decode_meta([others[0], table, others[1]], [600, p + 1, 7], bs))
         assert torch.equal(out[1], ref[p]), p

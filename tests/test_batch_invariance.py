@@ -159,7 +159,7 @@ def test_torch_attention_with_fused_kernels_cold_equals_warm(real_llm, monkeypat
     llm = LLM(kv_cache_memory="64MiB", num_threads=2)
     other = llm.engine.runner.model
     assert other.fused is not None and not other.c_attention
-    assert "/attn-float32-t256/" in other.numerics and "/attn-c-k16/" in model.numerics
+    assert "/attn-float32-t256/" in other.numerics and "/attn-c-k16-s256/" in model.numerics
     assert llm.engine.namespace != real_llm.engine.namespace
     _greedy_cold_warm(llm, QUESTIONS[:2], turns=2)
 

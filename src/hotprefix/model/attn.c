@@ -9,12 +9,13 @@
  *   m'    = max(m, mc); alpha = e^(m - m'); p[k] = e^(s[k] - m')          (exp_le0, below)
  *   l     = l * alpha + tree sum of p                                     (fixed pairwise tree)
  *   O[d]  = O[d] * alpha, then fma(p[k], V[k][d], O[d]) for the chunk's keys in order
- *   out   = O / l after the last chunk
+ *   the state restarts every SEG keys (a segment); the segments' states (m, l, O) are merged in
+ *   order (merge_state), and out = O / l after the last
  *
  * Each step is one IEEE single-precision operation on values that depend only on the query, the
- * keys 0..p and the chunk grid, so a row's bits do not depend on which rows share the call, how a
- * prompt was cut into chunks, whether the row is a prefill or a decode, the thread count or the
- * vector width the compiler picked (no FMA contraction, no fast-math: the build's flags). There
+ * keys 0..p and the chunk and segment grids, so a row's bits do not depend on which rows share
+ * the call, how a prompt was cut into chunks, whether the row is a prefill or a decode, the
+ * thread count or the vector width the compiler picked (no FMA contraction, no fast-math: the build's flags). There
  * is no gather into scratch and no padding of rows or keys, which the torch path needs for its
  * bits (attention.py).
  */
@@ -30,6 +31,7 @@
 #define QB 8         /* query vectors scored together: independent FMA chains */
 #define ROW_BLOCK 32 /* most query rows of one sequence in a work item */
 #define PREFETCH 2   /* chunks ahead whose K/V rows are prefetched (a decode reads the pool cold) */
+#define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
 
 static inline float widen_at(const void *cache, int bf16, int64_t i) {
@@ -250,29 +252,56 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, int
     }
 }
 
-/* Query rows r0..r1 (one sequence, table) against KV head h: its g query heads per row. */
-static int attend_item(const float *q, float *out, int64_t nh, int64_t g, int64_t hd, int64_t h,
-                       const void *kc, const void *vc, int bf16, int64_t bs, int64_t nkv,
-                       const int64_t *table, const int64_t *pos, int64_t r0, int64_t r1,
-                       float scale, int portable) {
+/* (m, l, o) <- (m, l, o) merged with a segment's (ms, ls, os): rescaled to the larger max. An
+ * empty (m = -inf, l = 0, o = 0) state merged with S gives S exactly (e^0 = 1 in exp_le0). */
+static void merge_state(float *m, float *l, float *o, float ms, float ls, const float *os,
+                        int64_t hd) {
+    const float mn = fmaxf(*m, ms), a = exp_le0(*m - mn), b = exp_le0(ms - mn);
+    *l = fmaf(ls, b, *l * a);
+    for (int64_t d = 0; d < hd; d++) o[d] = fmaf(os[d], b, o[d] * a);
+    *m = mn;
+}
+
+/* Query rows r0..r1 (one sequence, table) against KV head h: its g query heads per row, over the
+ * keys of segments seg0.. (every segment up to the rows' last key when part is NULL: the merged
+ * result, O / l, goes to out; else segment seg0 alone: its state (m, l, O) per query vector,
+ * hd + 2 floats each, goes to part). */
+static int attend_item(const float *q, float *out, float *part, int64_t nh, int64_t g, int64_t hd,
+                       int64_t h, const void *kc, const void *vc, int bf16, int64_t bs,
+                       int64_t nkv, const int64_t *table, const int64_t *pos, int64_t r0,
+                       int64_t r1, int64_t seg0, float scale, int portable) {
     const int64_t nq = (r1 - r0) * g, nqp = (nq + QB - 1) / QB * QB;
-    float *scr = malloc((size_t)(2 * hd * CH + (nqp + nq) * hd + 2 * nq) * sizeof(float));
+    float *scr = malloc((size_t)(2 * hd * CH + (nqp + 2 * nq) * hd + 4 * nq) * sizeof(float));
     if (!scr) return -1;
     float *kt = scr, *vch = kt + hd * CH, *qs = vch + CH * hd, *acc = qs + nqp * hd;
-    float *m = acc + nq * hd, *l = m + nq;
+    float *tacc = acc + nq * hd, *m = tacc + nq * hd, *l = m + nq, *tm = l + nq, *tl = tm + nq;
     int64_t maxpos = 0;
     for (int64_t r = r0; r < r1; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    const int64_t k_lo = seg0 * SEG;
+    const int64_t k_hi = part ? (k_lo + SEG - 1 < maxpos ? k_lo + SEG - 1 : maxpos) : maxpos;
     for (int64_t j = 0; j < nqp; j++) { /* vectors past nq repeat the last: scored, unused */
         int64_t jj = j < nq ? j : nq - 1, row = r0 + jj / g, head = h * g + jj % g;
         const float *src = q + (row * nh + head) * hd;
         for (int64_t d = 0; d < hd; d++) qs[j * hd + d] = src[d] * scale;
     }
-    memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-    for (int64_t j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
-    for (int64_t k0 = 0; k0 <= maxpos; k0 += CH) {
-        const int64_t nk = maxpos - k0 + 1 < CH ? maxpos - k0 + 1 : CH;
+    memset(acc, 0, (size_t)(2 * nq * hd) * sizeof(float)); /* acc and tacc */
+    for (int64_t j = 0; j < nq; j++) m[j] = tm[j] = -INFINITY, l[j] = tl[j] = 0.0f;
+    for (int64_t k0 = k_lo; k0 <= k_hi + CH; k0 += CH) {
+        if (k0 > k_lo && (k0 % SEG == 0 || k0 > k_hi)) {
+            /* a segment ends: merged into the total by every row with keys in it, then reset */
+            if (part) break;
+            const int64_t seg_start = (k0 - 1) / SEG * SEG;
+            for (int64_t j = 0; j < nq; j++) {
+                if (pos[r0 + j / g] < seg_start) continue;
+                merge_state(&tm[j], &tl[j], tacc + j * hd, m[j], l[j], acc + j * hd, hd);
+                m[j] = -INFINITY, l[j] = 0.0f;
+                memset(acc + j * hd, 0, (size_t)hd * sizeof(float));
+            }
+        }
+        if (k0 > k_hi) break;
+        const int64_t nk = k_hi - k0 + 1 < CH ? k_hi - k0 + 1 : CH;
         const int64_t ahead = k0 + PREFETCH * CH; /* a later chunk's rows on their way meanwhile */
-        for (int64_t t = ahead; t < ahead + CH && t <= maxpos; t++) {
+        for (int64_t t = ahead; t < ahead + CH && t <= k_hi; t++) {
             const int64_t base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
             const char *kr = (const char *)kc + base * (bf16 ? 2 : 4);
             const char *vr = (const char *)vc + base * (bf16 ? 2 : 4);
@@ -286,48 +315,89 @@ static int attend_item(const float *q, float *out, int64_t nh, int64_t g, int64_
             chunk_update(qs, kt, vch, hd, j0, nq, g, pos + r0, k0, m, l, acc, portable);
     }
     for (int64_t j = 0; j < nq; j++) {
+        if (part) {
+            float *dst = part + j * (hd + 2);
+            dst[0] = m[j], dst[1] = l[j];
+            memcpy(dst + 2, acc + j * hd, (size_t)hd * sizeof(float));
+            continue;
+        }
         int64_t row = r0 + j / g, head = h * g + j % g;
         float *dst = out + (row * nh + head) * hd;
-        for (int64_t d = 0; d < hd; d++) dst[d] = acc[j * hd + d] / l[j];
+        for (int64_t d = 0; d < hd; d++) dst[d] = tacc[j * hd + d] / tl[j];
     }
     free(scr);
     return 0;
 }
 
+typedef struct {
+    int64_t r0, r1, h, seg, part; /* seg -1: every segment, merged in the item */
+} work_item;
+
 /* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
  * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
  * [blocks][bs][nkv][hd], bf16 when bf16 else fp32. Consecutive rows of one sequence share a work
- * item (up to ROW_BLOCK rows) per KV head. Returns 0, or -1 when scratch memory ran out. */
+ * item (up to ROW_BLOCK rows) per KV head; a lone row (a decode) with keys in several segments
+ * gets an item per segment when threads share the call, their states merged after in segment
+ * order (what one item does inline: the same bits). Returns 0, or -1 when memory ran out. */
 int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
                const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
                const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
                int portable) {
-    const int64_t g = nh / nkv;
-    int64_t *starts = malloc((size_t)(n + 1) * sizeof(int64_t));
-    if (!starts) return -1;
-    int64_t nb = 0, work = 0;
-    for (int64_t r = 0; r < n;) {
-        int64_t e = r + 1;
+    const int64_t g = nh / nkv, per = g * (hd + 2); /* a split item's partial state */
+    int64_t ni = 0, work = 0, nparts = 0;
+    for (int64_t r = 0, e; r < n; r = e) { /* count items and partial states */
+        e = r + 1;
+        if (seq[r] < 0) continue;
+        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
+        work += (e - r) * g * (pos[e - 1] / CH + 1);
+        int64_t segs = e - r == 1 && threads > 1 ? pos[r] / SEG + 1 : 1;
+        ni += nkv * segs;
+        nparts += segs > 1 ? nkv * segs : 0;
+    }
+    work_item *items = malloc((size_t)(ni + 1) * sizeof(work_item));
+    float *parts = nparts ? malloc((size_t)(nparts * per) * sizeof(float)) : NULL;
+    if (!items || (nparts && !parts)) {
+        free(items);
+        free(parts);
+        return -1;
+    }
+    ni = 0, nparts = 0;
+    for (int64_t r = 0, e; r < n; r = e) {
+        e = r + 1;
         if (seq[r] < 0) {
             memset(out + r * nh * hd, 0, (size_t)(nh * hd) * sizeof(float));
-            r = e;
             continue;
         }
         while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
-        starts[nb++] = r;
-        work += (e - r) * g * (pos[e - 1] / CH + 1);
-        r = e;
+        int64_t segs = e - r == 1 && threads > 1 ? pos[r] / SEG + 1 : 1;
+        for (int64_t h = 0; h < nkv; h++)
+            for (int64_t s = 0; s < segs; s++)
+                items[ni++] = (work_item){r, e, h, segs > 1 ? s : -1, segs > 1 ? nparts++ : -1};
     }
-    starts[nb] = n;
     int err = 0;
     const int par = threads > 1 && work * nkv >= PAR_MIN;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (par) reduction(| : err)
-    for (int64_t it = 0; it < nb * nkv; it++) {
-        int64_t b = it / nkv, h = it % nkv, r0 = starts[b], r1 = r0 + 1;
-        while (r1 < n && r1 - r0 < ROW_BLOCK && seq[r1] == seq[r0]) r1++;
-        err |= attend_item(q, out, nh, g, hd, h, k_cache, v_cache, bf16, bs, nkv,
-                           tables + seq[r0] * tstride, pos, r0, r1, scale, portable);
+    for (int64_t it = 0; it < ni; it++) {
+        const work_item w = items[it];
+        err |= attend_item(q, out, w.seg < 0 ? NULL : parts + w.part * per, nh, g, hd, w.h,
+                           k_cache, v_cache, bf16, bs, nkv, tables + seq[w.r0] * tstride, pos,
+                           w.r0, w.r1, w.seg < 0 ? 0 : w.seg, scale, portable);
     }
-    free(starts);
+    /* split rows: their segments' states merged in order, as attend_item merges them inline */
+    for (int64_t it = 0; it < ni && !err; it++) {
+        const work_item w = items[it];
+        if (w.seg != 0) continue;
+        for (int64_t j = 0; j < g; j++) {
+            float tm = -INFINITY, tl = 0.0f, *o = out + (w.r0 * nh + w.h * g + j) * hd;
+            memset(o, 0, (size_t)hd * sizeof(float));
+            for (int64_t s = 0; s <= pos[w.r0] / SEG; s++) {
+                const float *st = parts + (w.part + s) * per + j * (hd + 2);
+                merge_state(&tm, &tl, o, st[0], st[1], st + 2, hd);
+            }
+            for (int64_t d = 0; d < hd; d++) o[d] = o[d] / tl;
+        }
+    }
+    free(items);
+    free(parts);
     return err ? -1 : 0;
 }

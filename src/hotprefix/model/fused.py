@@ -52,6 +52,10 @@ the libgomp torch already loaded (same soname), so both share one thread pool.""
 C_ATTN_CHUNK = 16
 """Keys per chunk of ``attn.c`` (its ``CH``): a row's result depends on this grid, so it is part of
 the numerics tag."""
+C_ATTN_SEGMENT = 256
+"""Keys per segment of ``attn.c`` (its ``SEG``): a row's softmax state restarts at each and the
+segments' states are merged in order (so a decode's segments can run on several threads); part of
+the numerics tag too."""
 MAX_HEAD_DIM = 512
 """Largest head size ``rope_write_kv`` takes (its per-head scratch is on the stack)."""
 

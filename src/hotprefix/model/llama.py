@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
 from hotprefix.model.dtype_probe import cpu_flags
-from hotprefix.model.fused import C_ATTN_CHUNK, fused_ops, library
+from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
@@ -125,7 +125,7 @@ class LlamaModel:
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
         high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
                 + (f"-{high_tag}" if high_tag else ""))
-        attn = (f"/attn-c-k{C_ATTN_CHUNK}" if self.c_attention
+        attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))
