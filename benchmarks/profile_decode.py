@@ -1,9 +1,11 @@
 """Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
 and small ops), plus the C kernels (the fused elementwise ones, the C attention, the ``gguf``
-mode's block GEMMs and its two calls a layer, timed around their ctypes calls: the profiler does
-not see them), next to the step's wall time with and without the profiler (the difference is the profiler's own cost
-per operator call; what lies outside both is Python). The small operators are listed too.
+mode's block GEMMs, its two calls a layer and its one call for every layer, timed around their
+ctypes calls: the profiler does not see them), next to the step's wall time with and without the
+profiler (the difference is the profiler's own cost per operator call; what lies outside both is
+Python). The small operators are listed too. ``--per-layer`` makes a call a layer, so that the
+layer calls and the attention are timed apart.
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
 

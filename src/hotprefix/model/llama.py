@@ -130,9 +130,9 @@ class LlamaModel:
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else ""))
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
-        its fp32-input GEMMs hold weights), which attention ran (the C kernel and its key chunk, or
-        torch's in a dtype and key tile, ``KV_TILE``: a row's key count), and whether the fused kernels ran the elementwise work (their RMSNorm and SiLU
-        round differently)."""
+        its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
+        segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), and whether
+        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently)."""
 
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):
