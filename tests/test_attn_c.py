@@ -111,6 +111,17 @@ def test_row_bits_independent_of_chunking_batch_phase_threads_and_path(pool_dtyp
         assert torch.equal(out[1], ref[p]), p
 
 
+def test_a_table_that_does_not_cover_its_row_is_refused():
+    ops, k, v, g = _setup(9, 3, 64, 16, torch.bfloat16)
+    q = torch.randn(1, 9, 64, generator=g)
+    seq, scale = torch.zeros(1, dtype=torch.long), 64 ** -0.5
+    for table, keys in (([1, 2], 33), ([1, NB], 20), ([1, -1], 20)):  # 33 keys need 3 blocks
+        with pytest.raises(ValueError, match="past its block table or outside the KV pool"):
+            ops.attention(q, k, v, torch.tensor([table]), seq, torch.tensor([keys - 1]), scale)
+    ok = ops.attention(q, k, v, torch.tensor([[1, 2, 3]]), seq, torch.tensor([32]), scale)
+    assert torch.isfinite(ok).all()
+
+
 def test_mixed_step_padding_rows_and_garbage_past_the_context():
     """Decodes and two prefill chunks in one call, padding rows after them; pool slots past each
     sequence hold NaN and inf, which must not reach any output."""
@@ -140,3 +151,31 @@ def test_mixed_step_padding_rows_and_garbage_past_the_context():
         got = {0: out[:1], 1: out[1:31], 2: out[31:81]}[i]
         want = {0: full[-1:], 1: full[-30:], 2: full[50:]}[i]
         assert torch.equal(got, want), i
+
+
+def test_decodes_sharing_a_prefix_are_attended_together_with_each_rows_bits():
+    """Decodes whose first segments lie in the same blocks (a cached system prompt) share those
+    segments' work (cascade attention), and each row still gets its bits alone, on one thread and
+    as the last row of its own prefill: rows that share two segments, one, a part of one, or none."""
+    bs = 16
+    ops, k, v, g = _setup(9, 3, 64, bs, torch.bfloat16, seed=3)
+    perm = torch.randperm(NB, generator=g).tolist()
+    shared, rest = perm[:40], perm[40:]  # 640 keys: segments 0 and 1 whole, 2 partly
+    tables, lens = [], []
+    for i, (share, n) in enumerate([(40, 700), (40, 640), (32, 600), (16, 530), (8, 300), (0, 470),
+                                    (40, 513), (20, 777)]):
+        own = rest[i * 30:(i + 1) * 30]
+        tables.append(shared[:share] + own[: -(-n // bs) - share])
+        lens.append(n)
+    qs = torch.randn(len(lens), 9, 64, generator=g)
+    out = _run(ops, k, v, qs, _decode_meta(tables, lens, bs))
+    one = _run(ops, k, v, qs, _decode_meta(tables, lens, bs), threads=1)
+    assert torch.equal(out, one)
+    for i, (tab, n) in enumerate(zip(tables, lens)):
+        alone = _run(ops, k, v, qs[i:i + 1].contiguous(), _decode_meta([tab], [n], bs))
+        assert torch.equal(out[i], alone[0]), i
+        q_all = torch.randn(n, 9, 64, generator=g)
+        q_all[-1] = qs[i]
+        assert torch.equal(_run(ops, k, v, q_all, _prefill_meta(tab, 0, n, bs))[-1], out[i]), i
+    ref = _reference(qs[:1], k, v, tables[0], bs, [lens[0] - 1])
+    assert (out[:1].double() - ref).abs().max().item() < 2e-5

@@ -262,26 +262,34 @@ static void merge_state(float *m, float *l, float *o, float ms, float ls, const 
     *m = mn;
 }
 
-/* Query rows r0..r1 (one sequence, table) against KV head h: its g query heads per row, over the
- * keys of segments seg0.. (every segment up to the rows' last key when part is NULL: the merged
- * result, O / l, goes to out; else segment seg0 alone: its state (m, l, O) per query vector,
- * hd + 2 floats each, goes to part). */
-static int attend_item(const float *q, float *out, float *part, int64_t nh, int64_t g, int64_t hd,
-                       int64_t h, const void *kc, const void *vc, int bf16, int64_t bs,
-                       int64_t nkv, const int64_t *table, const int64_t *pos, int64_t r0,
-                       int64_t r1, int64_t seg0, float scale, int portable) {
-    const int64_t nq = (r1 - r0) * g, nqp = (nq + QB - 1) / QB * QB;
+/* Query rows rows[0..nr) (all reading `table` for these keys) against KV head h: their g query
+ * heads each, over the keys of segments seg0.. (every segment up to the rows' last key when parts
+ * is NULL: the merged result, O / l, goes to out; else segment seg0 alone: row i's state (m, l,
+ * O) per query head, hd + 2 floats each, goes to parts at slot[i]). */
+static int attend_item(const float *q, float *out, float *parts, const int64_t *slot, int64_t nh,
+                       int64_t g, int64_t hd, int64_t h, const void *kc, const void *vc, int bf16,
+                       int64_t bs, int64_t nkv, const int64_t *table, const int64_t *pos,
+                       const int64_t *rows, int64_t nr, int64_t seg0, float scale, int portable) {
+    const int64_t nq = nr * g, nqp = (nq + QB - 1) / QB * QB;
     float *scr = malloc((size_t)(2 * hd * CH + (nqp + 2 * nq) * hd + 4 * nq) * sizeof(float));
-    if (!scr) return -1;
+    int64_t *rpos = malloc((size_t)nr * sizeof(int64_t));
+    if (!scr || !rpos) {
+        free(scr);
+        free(rpos);
+        return -1;
+    }
     float *kt = scr, *vch = kt + hd * CH, *qs = vch + CH * hd, *acc = qs + nqp * hd;
     float *tacc = acc + nq * hd, *m = tacc + nq * hd, *l = m + nq, *tm = l + nq, *tl = tm + nq;
     int64_t maxpos = 0;
-    for (int64_t r = r0; r < r1; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    for (int64_t i = 0; i < nr; i++) {
+        rpos[i] = pos[rows[i]];
+        maxpos = rpos[i] > maxpos ? rpos[i] : maxpos;
+    }
     const int64_t k_lo = seg0 * SEG;
-    const int64_t k_hi = part ? (k_lo + SEG - 1 < maxpos ? k_lo + SEG - 1 : maxpos) : maxpos;
+    const int64_t k_hi = parts ? (k_lo + SEG - 1 < maxpos ? k_lo + SEG - 1 : maxpos) : maxpos;
     for (int64_t j = 0; j < nqp; j++) { /* vectors past nq repeat the last: scored, unused */
-        int64_t jj = j < nq ? j : nq - 1, row = r0 + jj / g, head = h * g + jj % g;
-        const float *src = q + (row * nh + head) * hd;
+        int64_t jj = j < nq ? j : nq - 1, head = h * g + jj % g;
+        const float *src = q + (rows[jj / g] * nh + head) * hd;
         for (int64_t d = 0; d < hd; d++) qs[j * hd + d] = src[d] * scale;
     }
     memset(acc, 0, (size_t)(2 * nq * hd) * sizeof(float)); /* acc and tacc */
@@ -289,10 +297,10 @@ static int attend_item(const float *q, float *out, float *part, int64_t nh, int6
     for (int64_t k0 = k_lo; k0 <= k_hi + CH; k0 += CH) {
         if (k0 > k_lo && (k0 % SEG == 0 || k0 > k_hi)) {
             /* a segment ends: merged into the total by every row with keys in it, then reset */
-            if (part) break;
+            if (parts) break;
             const int64_t seg_start = (k0 - 1) / SEG * SEG;
             for (int64_t j = 0; j < nq; j++) {
-                if (pos[r0 + j / g] < seg_start) continue;
+                if (rpos[j / g] < seg_start) continue;
                 merge_state(&tm[j], &tl[j], tacc + j * hd, m[j], l[j], acc + j * hd, hd);
                 m[j] = -INFINITY, l[j] = 0.0f;
                 memset(acc + j * hd, 0, (size_t)hd * sizeof(float));
@@ -312,92 +320,152 @@ static int attend_item(const float *q, float *out, float *part, int64_t nh, int6
         }
         load_chunk(kt, vch, kc, vc, bf16, bs, nkv, hd, h, table, k0, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
-            chunk_update(qs, kt, vch, hd, j0, nq, g, pos + r0, k0, m, l, acc, portable);
+            chunk_update(qs, kt, vch, hd, j0, nq, g, rpos, k0, m, l, acc, portable);
     }
     for (int64_t j = 0; j < nq; j++) {
-        if (part) {
-            float *dst = part + j * (hd + 2);
+        if (parts) {
+            float *dst = parts + (slot[j / g] * g + j % g) * (hd + 2);
             dst[0] = m[j], dst[1] = l[j];
             memcpy(dst + 2, acc + j * hd, (size_t)hd * sizeof(float));
             continue;
         }
-        int64_t row = r0 + j / g, head = h * g + j % g;
-        float *dst = out + (row * nh + head) * hd;
+        float *dst = out + (rows[j / g] * nh + h * g + j % g) * hd;
         for (int64_t d = 0; d < hd; d++) dst[d] = tacc[j * hd + d] / tl[j];
     }
     free(scr);
+    free(rpos);
     return 0;
 }
 
+/* A split row's full segment, keyed by the blocks holding it: rows whose keys there sit in the
+ * same blocks (a shared prefix) are attended together, reading each chunk once. */
 typedef struct {
-    int64_t r0, r1, h, seg, part; /* seg -1: every segment, merged in the item */
+    int64_t seg, row;
+    const int64_t *blocks;
+    int64_t nblocks;
+} seg_key;
+
+static int cmp_seg_key(const void *pa, const void *pb) {
+    const seg_key *a = pa, *b = pb;
+    if (a->seg != b->seg) return a->seg < b->seg ? -1 : 1;
+    if (a->nblocks != b->nblocks) return a->nblocks < b->nblocks ? -1 : 1;
+    int c = memcmp(a->blocks, b->blocks, (size_t)a->nblocks * sizeof(int64_t));
+    if (c) return c;
+    return a->row < b->row ? -1 : a->row > b->row;
+}
+
+typedef struct {
+    int64_t first, nr, seg; /* rows order[first .. first + nr); seg -1: every segment, merged */
 } work_item;
 
 /* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
  * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
- * [blocks][bs][nkv][hd], bf16 when bf16 else fp32. Consecutive rows of one sequence share a work
- * item (up to ROW_BLOCK rows) per KV head; a lone row (a decode) with keys in several segments
- * gets an item per segment when threads share the call, their states merged after in segment
- * order (what one item does inline: the same bits). Returns 0, or -1 when memory ran out. */
+ * [blocks][bs][nkv][hd], bf16 when bf16 else fp32.
+ *
+ * Consecutive rows of one sequence (a prefill chunk) share a work item per KV head, up to
+ * ROW_BLOCK rows. A lone row (a decode) with keys in several segments, when threads share the
+ * call, gets an item per segment instead, and decodes whose segment lies in the same blocks (a
+ * shared prefix) share that segment's item: each chunk is read and transposed once for all of
+ * them (cascade attention, with each row's arithmetic unchanged). Split rows' segment states are
+ * merged after, in segment order: what an item merging them inline gives, to the bit. Returns 0,
+ * -1 when memory ran out, or -2 (nothing computed) when a row's keys reach past its block table
+ * or a block id is outside the pool's pool_blocks. */
 int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-               const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
-               const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
-               int portable) {
-    const int64_t g = nh / nkv, per = g * (hd + 2); /* a split item's partial state */
-    int64_t ni = 0, work = 0, nparts = 0;
-    for (int64_t r = 0, e; r < n; r = e) { /* count items and partial states */
-        e = r + 1;
+               const void *v_cache, int bf16, int64_t bs, int64_t pool_blocks,
+               const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
+               float scale, float *out, int threads, int portable) {
+    const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
+    int64_t nkeys = 0, work = 0; /* nkeys: split rows' segments (each a partial state slot) */
+    for (int64_t r = 0; r < n; r++) { /* every block a row reads must be in its table and pool */
         if (seq[r] < 0) continue;
-        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
-        work += (e - r) * g * (pos[e - 1] / CH + 1);
-        int64_t segs = e - r == 1 && threads > 1 ? pos[r] / SEG + 1 : 1;
-        ni += nkv * segs;
-        nparts += segs > 1 ? nkv * segs : 0;
+        if (pos[r] < 0 || pos[r] / bs >= tstride) return -2;
+        for (int64_t b = 0; b <= pos[r] / bs; b++)
+            if (tables[seq[r] * tstride + b] < 0 || tables[seq[r] * tstride + b] >= pool_blocks)
+                return -2;
     }
-    work_item *items = malloc((size_t)(ni + 1) * sizeof(work_item));
-    float *parts = nparts ? malloc((size_t)(nparts * per) * sizeof(float)) : NULL;
-    if (!items || (nparts && !parts)) {
-        free(items);
-        free(parts);
+    for (int64_t r = 0; r < n; r++) {
+        if (seq[r] < 0) continue;
+        work += g * (pos[r] / CH + 1);
+        const int lone = (r == 0 || seq[r - 1] != seq[r]) && (r + 1 == n || seq[r + 1] != seq[r]);
+        if (lone && threads > 1 && pos[r] >= SEG) nkeys += pos[r] / SEG + 1;
+    }
+    /* rows in item order, each row's first partial slot (-1: not split), the items */
+    int64_t *order = malloc((size_t)(n + nkeys + 1) * sizeof(int64_t));
+    int64_t *base = malloc((size_t)(n + 1) * sizeof(int64_t));
+    seg_key *keys = malloc((size_t)(nkeys + 1) * sizeof(seg_key));
+    work_item *items = malloc((size_t)(n + nkeys + 1) * sizeof(work_item));
+    float *parts = nkeys ? malloc((size_t)(nkeys * nkv * per) * sizeof(float)) : NULL;
+    if (!order || !base || !keys || !items || (nkeys && !parts)) {
+        free(order), free(base), free(keys), free(items), free(parts);
         return -1;
     }
-    ni = 0, nparts = 0;
+    int64_t no = 0, ni = 0, nk = 0, next_slot = 0;
     for (int64_t r = 0, e; r < n; r = e) {
         e = r + 1;
+        base[r] = -1;
         if (seq[r] < 0) {
             memset(out + r * nh * hd, 0, (size_t)(nh * hd) * sizeof(float));
             continue;
         }
-        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
-        int64_t segs = e - r == 1 && threads > 1 ? pos[r] / SEG + 1 : 1;
-        for (int64_t h = 0; h < nkv; h++)
-            for (int64_t s = 0; s < segs; s++)
-                items[ni++] = (work_item){r, e, h, segs > 1 ? s : -1, segs > 1 ? nparts++ : -1};
+        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) base[e++] = -1;
+        const int lone = e - r == 1 && (r == 0 || seq[r - 1] != seq[r]);
+        if (!(lone && threads > 1 && pos[r] >= SEG)) { /* one item: every segment, merged */
+            items[ni++] = (work_item){no, e - r, -1};
+            for (int64_t i = r; i < e; i++) order[no++] = i;
+            continue;
+        }
+        base[r] = next_slot;
+        const int64_t segs = pos[r] / SEG + 1;
+        next_slot += segs;
+        for (int64_t s = 0; s < segs; s++) {
+            if (pos[r] < (s + 1) * SEG - 1) { /* the last segment, partly filled: alone */
+                items[ni++] = (work_item){no, 1, s};
+                order[no++] = r;
+                continue;
+            }
+            const int64_t b0 = s * SEG / bs, b1 = ((s + 1) * SEG - 1) / bs;
+            keys[nk++] = (seg_key){s, r, tables + seq[r] * tstride + b0, b1 - b0 + 1};
+        }
+    }
+    qsort(keys, (size_t)nk, sizeof(seg_key), cmp_seg_key);
+    for (int64_t i = 0, e; i < nk; i = e) { /* groups of rows sharing a segment's blocks */
+        e = i + 1;
+        while (e < nk && e - i < ROW_BLOCK && keys[e].seg == keys[i].seg &&
+               keys[e].nblocks == keys[i].nblocks &&
+               !memcmp(keys[e].blocks, keys[i].blocks, (size_t)keys[i].nblocks * sizeof(int64_t)))
+            e++;
+        items[ni++] = (work_item){no, e - i, keys[i].seg};
+        for (int64_t k = i; k < e; k++) order[no++] = keys[k].row;
     }
     int err = 0;
     const int par = threads > 1 && work * nkv >= PAR_MIN;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (par) reduction(| : err)
-    for (int64_t it = 0; it < ni; it++) {
-        const work_item w = items[it];
-        err |= attend_item(q, out, w.seg < 0 ? NULL : parts + w.part * per, nh, g, hd, w.h,
-                           k_cache, v_cache, bf16, bs, nkv, tables + seq[w.r0] * tstride, pos,
-                           w.r0, w.r1, w.seg < 0 ? 0 : w.seg, scale, portable);
+    for (int64_t it = 0; it < ni * nkv; it++) {
+        const work_item w = items[it / nkv];
+        const int64_t h = it % nkv, *rows = order + w.first;
+        int64_t slot_buf[ROW_BLOCK];
+        for (int64_t i = 0; w.seg >= 0 && i < w.nr; i++)
+            slot_buf[i] = (base[rows[i]] + w.seg) * nkv + h;
+        const int64_t r0 = rows[0];
+        const int64_t *table = tables + seq[r0] * tstride;
+        err |= attend_item(q, out, w.seg < 0 ? NULL : parts, slot_buf, nh, g, hd, h, k_cache,
+                           v_cache, bf16, bs, nkv, table, pos, rows, w.nr,
+                           w.seg < 0 ? 0 : w.seg, scale, portable);
     }
     /* split rows: their segments' states merged in order, as attend_item merges them inline */
-    for (int64_t it = 0; it < ni && !err; it++) {
-        const work_item w = items[it];
-        if (w.seg != 0) continue;
-        for (int64_t j = 0; j < g; j++) {
-            float tm = -INFINITY, tl = 0.0f, *o = out + (w.r0 * nh + w.h * g + j) * hd;
-            memset(o, 0, (size_t)hd * sizeof(float));
-            for (int64_t s = 0; s <= pos[w.r0] / SEG; s++) {
-                const float *st = parts + (w.part + s) * per + j * (hd + 2);
-                merge_state(&tm, &tl, o, st[0], st[1], st + 2, hd);
+    for (int64_t r = 0; r < n && !err; r++) {
+        if (seq[r] < 0 || base[r] < 0) continue;
+        for (int64_t h = 0; h < nkv; h++)
+            for (int64_t j = 0; j < g; j++) {
+                float tm = -INFINITY, tl = 0.0f, *o = out + (r * nh + h * g + j) * hd;
+                memset(o, 0, (size_t)hd * sizeof(float));
+                for (int64_t s = 0; s <= pos[r] / SEG; s++) {
+                    const float *st = parts + ((base[r] + s) * nkv + h) * per + j * (hd + 2);
+                    merge_state(&tm, &tl, o, st[0], st[1], st + 2, hd);
+                }
+                for (int64_t d = 0; d < hd; d++) o[d] = o[d] / tl;
             }
-            for (int64_t d = 0; d < hd; d++) o[d] = o[d] / tl;
-        }
     }
-    free(items);
-    free(parts);
+    free(order), free(base), free(keys), free(items), free(parts);
     return err ? -1 : 0;
 }

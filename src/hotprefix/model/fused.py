@@ -73,11 +73,11 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_dequant_rows": ([_P, ctypes.c_int, _I, _I, _P, _I, _P], _I),
     "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
-    "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _P, _I, _P, _P, _F, _P, ctypes.c_int,
-                    ctypes.c_int], ctypes.c_int),
+    "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _F, _P,
+                    ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
     "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, _I,
-                   _P, _I, _P, _P, _F, ctypes.c_int], _I),
+                   _I, _P, _I, _P, _P, _F, ctypes.c_int], _I),
     "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
                        ctypes.c_int, _P, ctypes.c_int], ctypes.c_int),
 }
@@ -193,8 +193,11 @@ class FusedOps:
         err = self.lib.attn_paged(q.data_ptr(), q.shape[0], self.nh, self.nkv, self.hd,
                                   k_cache.data_ptr(), v_cache.data_ptr(),
                                   int(k_cache.dtype == torch.bfloat16), k_cache.shape[1],
-                                  tables.data_ptr(), tables.shape[1], seq.data_ptr(), pos.data_ptr(),
-                                  scale, out.data_ptr(), self.threads(), int(portable))
+                                  k_cache.shape[0], tables.data_ptr(), tables.shape[1],
+                                  seq.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
+                                  self.threads(), int(portable))
+        if err == -2:
+            raise ValueError("a row's keys reach past its block table or outside the KV pool")
         if err:
             raise MemoryError("attention scratch memory could not be allocated")
         return out

@@ -225,9 +225,11 @@ class QuantLayers:
             h.data_ptr(), rows, dim, len(layers), self._layer_table(layers, kv_caches).data_ptr(),
             self.eps, self.nh, self.nkv, self.hd, self.inter, cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], positions.data_ptr(), slots.data_ptr(), slots.shape[0],
-            int(kc.dtype == torch.bfloat16), kc.shape[1], plan.tables.data_ptr(),
+            int(kc.dtype == torch.bfloat16), kc.shape[1], kc.shape[0], plan.tables.data_ptr(),
             plan.tables.shape[1], plan.seq.data_ptr(), plan.pos.data_ptr(), scale,
             torch.get_num_threads())
+        if bad == -2:
+            raise ValueError("a row's keys reach past its block table or outside the KV pool")
         if bad < 0:
             raise MemoryError(f"no memory for a {rows}-row layer's activations")
         if bad:
