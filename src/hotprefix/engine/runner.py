@@ -94,7 +94,8 @@ class ModelRunner:
         if model_cfg.num_threads:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = pick_device(model_cfg.device)
-        gguf_default = (model_cfg.weights == "auto" and bool(loaded.blocks) and library() is not None
+        gguf_default = (model_cfg.weights == "auto" and bool(loaded.blocks)
+                        and library() is not None
                         and resolve_weights("auto", self.device, torch.bfloat16) == "gguf")
         self.dtype = pick_dtype(model_cfg.dtype, self.device, gguf_default)
         self.deterministic = model_cfg.deterministic

@@ -121,11 +121,14 @@ class RowPlan:
 def _plan_rows(meta: AttentionMetadata, n: int) -> RowPlan:
     nd = meta.num_decode
     dev = meta.slot_mapping.device
-    tables = [meta.decode_block_tables[i] for i in range(nd)] + [p.block_table for p in meta.prefills]
-    width = max((t.shape[0] for t in tables), default=1)
-    packed = torch.zeros(max(len(tables), 1), width, dtype=torch.long, device=dev)
-    for i, t in enumerate(tables):
-        packed[i, : t.shape[0]] = t
+    dec = meta.decode_block_tables[:nd] if nd else None
+    width = max([1, *(p.block_table.shape[0] for p in meta.prefills)]
+                + ([dec.shape[1]] if nd else []))
+    packed = torch.zeros(max(nd + len(meta.prefills), 1), width, dtype=torch.long, device=dev)
+    if nd:
+        packed[:nd, : dec.shape[1]] = dec  # the decodes' tables in one copy
+    for i, p in enumerate(meta.prefills):
+        packed[nd + i, : p.block_table.shape[0]] = p.block_table
     seq = torch.full((n,), -1, dtype=torch.long, device=dev)
     pos = torch.zeros(n, dtype=torch.long, device=dev)
     if nd:

@@ -15,9 +15,9 @@
  * Each step is one IEEE single-precision operation on values that depend only on the query, the
  * keys 0..p and the chunk and segment grids, so a row's bits do not depend on which rows share
  * the call, how a prompt was cut into chunks, whether the row is a prefill or a decode, the
- * thread count or the vector width the compiler picked (no FMA contraction, no fast-math: the build's flags). There
- * is no gather into scratch and no padding of rows or keys, which the torch path needs for its
- * bits (attention.py).
+ * thread count or the vector width the compiler picked (no FMA contraction, no fast-math: the
+ * build's flags). There is no gather into scratch and no padding of rows or keys, which the torch
+ * path needs for its bits (attention.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,6 +42,12 @@ static inline float widen_at(const void *cache, int bf16, int64_t i) {
         return f;
     }
     return ((const float *)cache)[i];
+}
+
+/* Offset in the pool of key position t's row for KV head h, through the sequence's table. */
+static inline int64_t key_base(const int64_t *table, int64_t bs, int64_t nkv, int64_t hd, int64_t h,
+                               int64_t t) {
+    return ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
 }
 
 /* e^x for x <= 0 (x = -inf included), 0 below -86 (the result would be under 4.4e-38 of the
@@ -126,15 +132,14 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
         for (int64_t db = 0; db < hd; db += CH) {
             __m512 r[CH];
             for (int64_t k = 0; k < CH; k++) {
-                if (k >= nk) {
-                    r[k] = _mm512_setzero_ps();
-                } else {
-                    int64_t t = k0 + k, base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd + db;
+                __m512 v = _mm512_setzero_ps();
+                r[k] = v;
+                if (k < nk) {
+                    const int64_t base = key_base(table, bs, nkv, hd, h, k0 + k) + db;
                     r[k] = bf16 ? widen16(kc, base) : _mm512_loadu_ps((const float *)kc + base);
-                    _mm512_storeu_ps(vch + k * hd + db,
-                                     bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base));
+                    v = bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base);
                 }
-                if (k >= nk) _mm512_storeu_ps(vch + k * hd + db, r[k]);
+                _mm512_storeu_ps(vch + k * hd + db, v);
             }
             transpose16(r);
             for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
@@ -147,7 +152,7 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
             for (int64_t d = 0; d < hd; d++) kt[d * CH + k] = 0.0f, vch[k * hd + d] = 0.0f;
             continue;
         }
-        int64_t t = k0 + k, base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+        const int64_t base = key_base(table, bs, nkv, hd, h, k0 + k);
         for (int64_t d = 0; d < hd; d++) {
             kt[d * CH + k] = widen_at(kc, bf16, base + d);
             vch[k * hd + d] = widen_at(vc, bf16, base + d);
@@ -310,7 +315,7 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         const int64_t nk = k_hi - k0 + 1 < CH ? k_hi - k0 + 1 : CH;
         const int64_t ahead = k0 + PREFETCH * CH; /* a later chunk's rows on their way meanwhile */
         for (int64_t t = ahead; t < ahead + CH && t <= k_hi; t++) {
-            const int64_t base = ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+            const int64_t base = key_base(table, bs, nkv, hd, h, t);
             const char *kr = (const char *)kc + base * (bf16 ? 2 : 4);
             const char *vr = (const char *)vc + base * (bf16 ? 2 : 4);
             for (int64_t b = 0; b < hd * (bf16 ? 2 : 4); b += 64) {
@@ -358,6 +363,26 @@ typedef struct {
     int64_t first, nr, seg; /* rows order[first .. first + nr); seg -1: every segment, merged */
 } work_item;
 
+/* Whether row r is split into an item per segment: a lone row of its sequence (a decode) with
+ * keys in more than one segment, when threads share the call. */
+static int split_row(const int64_t *seq, const int64_t *pos, int64_t n, int64_t r, int threads) {
+    return threads > 1 && pos[r] >= SEG && (r == 0 || seq[r - 1] != seq[r]) &&
+           (r + 1 == n || seq[r + 1] != seq[r]);
+}
+
+/* 0 when every block the rows read is in their tables and the pool, else -2. */
+int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
+                        int64_t tstride, const int64_t *seq, const int64_t *pos) {
+    for (int64_t r = 0; r < n; r++) {
+        if (seq[r] < 0) continue;
+        if (pos[r] < 0 || pos[r] / bs >= tstride) return -2;
+        for (int64_t b = 0; b <= pos[r] / bs; b++)
+            if (tables[seq[r] * tstride + b] < 0 || tables[seq[r] * tstride + b] >= pool_blocks)
+                return -2;
+    }
+    return 0;
+}
+
 /* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
  * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
  * [blocks][bs][nkv][hd], bf16 when bf16 else fp32.
@@ -367,27 +392,18 @@ typedef struct {
  * call, gets an item per segment instead, and decodes whose segment lies in the same blocks (a
  * shared prefix) share that segment's item: each chunk is read and transposed once for all of
  * them (cascade attention, with each row's arithmetic unchanged). Split rows' segment states are
- * merged after, in segment order: what an item merging them inline gives, to the bit. Returns 0,
- * -1 when memory ran out, or -2 (nothing computed) when a row's keys reach past its block table
- * or a block id is outside the pool's pool_blocks. */
-int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-               const void *v_cache, int bf16, int64_t bs, int64_t pool_blocks,
-               const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
-               float scale, float *out, int threads, int portable) {
+ * merged after, in segment order: what an item merging them inline gives, to the bit. The tables
+ * must cover the rows (attn_check_tables). Returns 0, or -1 when memory ran out. */
+int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
+              const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
+              const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
+              int portable) {
     const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
     int64_t nkeys = 0, work = 0; /* nkeys: split rows' segments (each a partial state slot) */
-    for (int64_t r = 0; r < n; r++) { /* every block a row reads must be in its table and pool */
-        if (seq[r] < 0) continue;
-        if (pos[r] < 0 || pos[r] / bs >= tstride) return -2;
-        for (int64_t b = 0; b <= pos[r] / bs; b++)
-            if (tables[seq[r] * tstride + b] < 0 || tables[seq[r] * tstride + b] >= pool_blocks)
-                return -2;
-    }
     for (int64_t r = 0; r < n; r++) {
         if (seq[r] < 0) continue;
         work += g * (pos[r] / CH + 1);
-        const int lone = (r == 0 || seq[r - 1] != seq[r]) && (r + 1 == n || seq[r + 1] != seq[r]);
-        if (lone && threads > 1 && pos[r] >= SEG) nkeys += pos[r] / SEG + 1;
+        if (split_row(seq, pos, n, r, threads)) nkeys += pos[r] / SEG + 1;
     }
     /* rows in item order, each row's first partial slot (-1: not split), the items */
     int64_t *order = malloc((size_t)(n + nkeys + 1) * sizeof(int64_t));
@@ -408,8 +424,7 @@ int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, c
             continue;
         }
         while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) base[e++] = -1;
-        const int lone = e - r == 1 && (r == 0 || seq[r - 1] != seq[r]);
-        if (!(lone && threads > 1 && pos[r] >= SEG)) { /* one item: every segment, merged */
+        if (!split_row(seq, pos, n, r, threads)) { /* one item: every segment, merged */
             items[ni++] = (work_item){no, e - r, -1};
             for (int64_t i = r; i < e; i++) order[no++] = i;
             continue;
@@ -468,4 +483,15 @@ int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, c
     }
     free(order), free(base), free(keys), free(items), free(parts);
     return err ? -1 : 0;
+}
+
+/* attn_rows on tables checked first: -2 (nothing computed) when a row's keys reach past its
+ * block table or a block id is outside the pool's pool_blocks. */
+int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
+               const void *v_cache, int bf16, int64_t bs, int64_t pool_blocks,
+               const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
+               float scale, float *out, int threads, int portable) {
+    if (attn_check_tables(n, bs, pool_blocks, tables, tstride, seq, pos)) return -2;
+    return attn_rows(q, n, nh, nkv, hd, k_cache, v_cache, bf16, bs, tables, tstride, seq, pos,
+                     scale, out, threads, portable);
 }

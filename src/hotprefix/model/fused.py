@@ -44,7 +44,8 @@ from hotprefix.model.dtype_probe import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("fused.c", "qgemm.c", "qlayer.c", "attn.c")]
-"""The elementwise kernels, attention, and the ``gguf`` weight mode's GEMM and layer calls (``qlinear.py``)."""
+"""The elementwise kernels, attention, and the ``gguf`` weight mode's GEMM and layer calls
+(``qlinear.py``)."""
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
@@ -196,11 +197,17 @@ class FusedOps:
                                   k_cache.shape[0], tables.data_ptr(), tables.shape[1],
                                   seq.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
                                   self.threads(), int(portable))
-        if err == -2:
-            raise ValueError("a row's keys reach past its block table or outside the KV pool")
-        if err:
-            raise MemoryError("attention scratch memory could not be allocated")
+        check_attention(err, "attention scratch")
         return out
+
+
+def check_attention(err: int, what: str) -> None:
+    """Raise for a C attention call's negative return: -2 a block table that does not cover its
+    row (nothing computed), -1 scratch memory that could not be allocated."""
+    if err == -2:
+        raise ValueError("a row's keys reach past its block table or outside the KV pool")
+    if err < 0:
+        raise MemoryError(f"no memory for the {what}")
 
 
 def fused_ops(enabled: bool, device: torch.device, pool_dtype: torch.dtype, eps: float,

@@ -4,7 +4,8 @@ GGUF tensors are dequantized with the ``gguf`` package, each when read. Weights 
 Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...) in Hugging Face layout, so the
 model code has one layout to know. The model fingerprint (a hash of the weight bytes and the
 architecture) is part of the prefix cache's namespace: a new checkpoint never reuses an old
-checkpoint's blocks. Finding the file (``resolve_model_path``) and reading its KV shape without torch live in ``metadata.py``.
+checkpoint's blocks. Finding the file (``resolve_model_path``) and reading its KV shape without
+torch live in ``metadata.py``.
 
 This module knows nothing about tokenization, scheduling or the KV cache.
 """

@@ -64,10 +64,12 @@ int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm, fl
     return err;
 }
 
-int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-               const void *v_cache, int bf16, int64_t bs, int64_t pool_blocks,
-               const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
-               float scale, float *out, int threads, int portable);
+int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
+                      int64_t tstride, const int64_t *seq, const int64_t *pos);
+int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
+              const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
+              const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
+              int portable);
 
 /* Fields of a layer's row in qg_layers' table: pointers (as integers) and bit counts. */
 enum { QL_IN_NORM, QL_POST_NORM, QL_QKV, QL_QKV_BITS, QL_QKV_BIAS, QL_O, QL_O_BITS, QL_GU,
@@ -75,18 +77,21 @@ enum { QL_IN_NORM, QL_POST_NORM, QL_QKV, QL_QKV_BITS, QL_QKV_BIAS, QL_O, QL_O_BI
 
 int64_t qg_layer_fields(void) { return QL_FIELDS; }
 
-/* Every layer of a forward pass in one call: per layer qg_layer_pre, attn_paged and
+/* Every layer of a forward pass in one call: per layer qg_layer_pre, attn_rows and
  * qg_layer_post, then h += the last MLP output: the calls the Python layer loop makes, in its
  * order on the same values, so the same bits. rope_pos: each row's position for RoPE; seq and
- * attn_pos: attn_paged's rows. Returns 0, -1 when scratch memory ran out, -2 when a block
- * table does not cover its row (attn_paged), or the count of positions outside the RoPE tables
- * (h is then partly updated and the step must be dropped). */
+ * attn_pos: the attention's rows. Returns 0, -1 when scratch memory ran out, -2 when a block
+ * table does not cover its row (checked once, before any layer: nothing is written then), or the
+ * count of positions outside the RoPE tables (h is then partly updated and the step must be
+ * dropped). */
 int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int64_t *table,
                   float eps, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, const float *cos_t,
                   const float *sin_t, int64_t n_pos, const int64_t *rope_pos, const int64_t *slots,
                   int64_t n_slots, int bf16, int64_t bs, int64_t pool_blocks, const int64_t *tables,
                   int64_t tstride, const int64_t *seq, const int64_t *attn_pos, float scale,
                   int threads) {
+    if (attn_check_tables(rows, bs, pool_blocks, tables, tstride, seq, attn_pos))
+        return -2; /* once for every layer: they read the same tables */
     float *q = malloc((size_t)(rows * (2 * nh * hd + dim)) * sizeof(float));
     if (!q) return -1;
     float *o = q + rows * nh * hd, *pending = o + rows * nh * hd;
@@ -99,8 +104,8 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
                            (const float *)f[QL_QKV_BIAS], nh, nkv, hd, cos_t, sin_t, n_pos,
                            rope_pos, q, kc, vc, bf16, slots, n_slots, threads);
         if (!bad)
-            bad = attn_paged(q, rows, nh, nkv, hd, kc, vc, bf16, bs, pool_blocks, tables, tstride,
-                             seq, attn_pos, scale, o, threads, 0);
+            bad = attn_rows(q, rows, nh, nkv, hd, kc, vc, bf16, bs, tables, tstride, seq, attn_pos,
+                            scale, o, threads, 0);
         if (!bad && qg_layer_post(o, nh * hd, h, (const float *)f[QL_POST_NORM], eps, rows, dim,
                                   (const uint8_t *)f[QL_O], (int)f[QL_O_BITS],
                                   (const uint8_t *)f[QL_GU], (int)f[QL_GU_BITS], inter,

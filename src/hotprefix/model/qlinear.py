@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.fused import check_attention
 
 BLOCK = 32
 """Inputs per quantization block (GGUF Q4_0 / Q4_1 / Q8_0)."""
@@ -228,10 +229,7 @@ class QuantLayers:
             int(kc.dtype == torch.bfloat16), kc.shape[1], kc.shape[0], plan.tables.data_ptr(),
             plan.tables.shape[1], plan.seq.data_ptr(), plan.pos.data_ptr(), scale,
             torch.get_num_threads())
-        if bad == -2:
-            raise ValueError("a row's keys reach past its block table or outside the KV pool")
-        if bad < 0:
-            raise MemoryError(f"no memory for a {rows}-row layer's activations")
+        check_attention(bad, f"{rows}-row layers' activations")
         if bad:
             raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
         return h
