@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="LLM(dtype=...)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default 128)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps profiled (default 64)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoding together, each its own prompt (default 1)")
     ap.add_argument("--top", type=int, default=12, help="small operators listed (default 12)")
     ap.add_argument("--per-layer", action="store_true",
                     help="a Python call a layer instead of one for all (LlamaModel.all_layers_call)")
@@ -99,18 +101,21 @@ def main() -> None:
     common.setup_threads(args.threads)
     opts = {k: v for k, v in (("weights", args.weights), ("dtype", args.dtype)) if v}
     llm = common.load_hotprefix(args.threads, enable_prefix_caching=False, **opts)
-    ids = common.text_tokens(llm.tokenizer, args.context, seed=1)
+    prompts = [common.text_tokens(llm.tokenizer, args.context, seed=1 + i) for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
-    llm.generate(ids, params, use_tqdm=False)  # warm-up
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
     eng = llm.engine
     eng.runner.model.all_layers_call = not args.per_layer
     kernel_s, kernel_calls = time_c_kernels(eng.runner.model)
 
     def decode_steps(profiler=None) -> tuple[float, int]:
-        """(wall ms a decode step, steps) of one request, its prefill left out."""
-        eng.add_request(list(ids), params)
-        eng.step()  # the prefill
+        """(wall ms a decode step, steps) of the batch, its prefills left out."""
+        reqs = [eng.add_request(list(ids), params) for ids in prompts]
+        while any(not r.output_token_ids for r in reqs):
+            eng.step()  # the prefills
         if profiler is not None:
+            kernel_s.clear()  # the prefills' kernel calls are not a decode step's
+            kernel_calls.clear()
             profiler.start()
         t0, steps = time.perf_counter(), 0
         while eng.has_unfinished():
@@ -123,8 +128,6 @@ def main() -> None:
 
     plain_ms, _ = decode_steps()
     prof = profile(activities=[ProfilerActivity.CPU])
-    kernel_s.clear()
-    kernel_calls.clear()
     wall_ms, steps = decode_steps(prof)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
@@ -135,7 +138,7 @@ def main() -> None:
         totals[group] = secs * 1000
         calls[group] = kernel_calls[group]
     op_ms = sum(totals.values()) / steps
-    print(f"{eng.runner.numerics}, {args.context}-token context, batch 1, {steps} decode steps, "
+    print(f"{eng.runner.numerics}, {args.context}-token context, batch {args.batch}, {steps} decode steps, "
           f"torch {torch.__version__}: {plain_ms:.1f} ms a step ({wall_ms:.1f} under the profiler, "
           f"of which {op_ms:.1f} inside operators)")
     rows = [[g, f"{ms / steps:.2f}", f"{ms / steps / op_ms:.0%}", calls[g] // steps]

@@ -14,7 +14,8 @@ from gguf.quants import dequantize, quantize
 
 from hotprefix import SamplingParams
 from hotprefix.model.fused import library
-from hotprefix.model.qlinear import BlockRows, QuantLayers, QuantLinear, QuantWeight, unpack_gguf_blocks
+from hotprefix.model.qlinear import (BlockRows, QuantLayers, QuantLinear, QuantWeight, quantize_rows,
+                                     unpack_gguf_blocks)
 
 LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
@@ -97,6 +98,34 @@ def test_row_bits_do_not_depend_on_neighbours_threads_or_path():
         finally:
             torch.set_num_threads(2)
         assert torch.equal(lin.reference(x[:13], w), full[:13])  # the portable path: same bits
+
+
+def test_activation_quantization_vector_path_gives_the_portable_bits():
+    """The AVX-512 quantization against the C reference, value for value, on hostile rows: ties
+    at .5 (round half to even), a block whose every product is exact, blocks of zeros, subnormals, huge values, a lone NaN (ignored by
+    the block's max, clamped to -32767 like fmaxf/fminf do), infinities (the block zeroed, its scale
+    inf), and 37 ordinary rows so both thread paths run."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 160, generator=g) * torch.logspace(-30, 30, 160).float()
+    x[0, :32] = torch.arange(32) - 15.5  # amax 15.5, so the scale 32767 / 15.5 = 2114 exactly
+    x[1, 32:64] = 0.0
+    x[2, :32] = torch.full((32,), 1e-40)  # subnormals
+    x[3, 64:96] = 3e38
+    x[4, 7] = float("nan")
+    x[5, 40] = float("inf")
+    x[6, 100] = float("-inf")
+    x[6, 101] = float("nan")
+    got, ref = quantize_rows(LIB, x, 2), quantize_rows(LIB, x, 1, portable=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.int16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.int16 else b.view(torch.int32))
+    qa, sa, _ = got
+    assert qa[4, 7] == -32767 and torch.isfinite(sa[4, 0])  # NaN clamped, the scale from the rest
+    assert sa[5, 1] == float("inf") and not qa[5, 32:64].any()
+    assert torch.equal(qa[0, :32].abs().max(), torch.tensor(32767, dtype=torch.int16))
+    assert qa[0, :32].tolist() == [2114 * i - 32767 for i in range(32)]
+    half = torch.tensor([[0.5, 1.5, 2.5, -0.5] + [0.0] * 27 + [32767.0]])
+    assert quantize_rows(LIB, half, 1)[0][0, :4].tolist() == [0, 2, 2, 0]  # ties to even
 
 
 def test_zero_and_non_finite_blocks():

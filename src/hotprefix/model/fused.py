@@ -68,6 +68,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
     "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
+    "qg_quantize_rows_reference": ([_P, _P, _P, _P, _I, _I], None),
     "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
     "qg_linear": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),

@@ -32,7 +32,7 @@
 #define QG_ROW_SPAN 192  /* rows whose activations stay in L2 while the groups stream (a multiple of QG_ROWS) */
 #define QG_QMAX 32767.0f
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
-#define QG_PREFETCH 32     /* blocks ahead to prefetch when few rows share a pass */
+#define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
 
 static inline float half_to_float(uint16_t h) {
@@ -55,34 +55,86 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* x [rows][k] fp32 -> qa [rows][k] int16, sa and sq [rows][k / 32]. */
-void qg_quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows, int64_t k,
-                      int threads) {
+/* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
+ * amax ignores NaN (fmaxf), a NaN value clamps to -QMAX, an infinite amax gives zeros and scale inf.
+ * The portable reference of quantize_block_avx. */
+static void quantize_block_c(const float *v, int16_t *q, float *sa, float *sq) {
+    float amax = 0.0f;
+    for (int i = 0; i < QG_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    int32_t sum = 0;
+    if (amax > 0.0f && isfinite(amax)) {
+        float inv = QG_QMAX / amax;
+        for (int i = 0; i < QG_BLOCK; i++) {
+            float t = rintf(v[i] * inv);
+            t = fminf(fmaxf(t, -QG_QMAX), QG_QMAX);
+            q[i] = (int16_t)t;
+            sum += q[i];
+        }
+        *sa = amax / QG_QMAX;
+    } else {
+        memset(q, 0, QG_BLOCK * sizeof(int16_t));
+        *sa = amax > 0.0f ? amax : 0.0f; /* inf/nan propagate through the scale */
+    }
+    *sq = (float)sum;
+}
+
+#ifdef QG_VNNI
+/* quantize_block_c with AVX-512, value for value: the same IEEE products and roundings, and max
+ * and min ordered so that a NaN is treated as fmaxf / fminf treat it (MAXPS returns its second
+ * operand when either is NaN). */
+static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, float *sq) {
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    __m512 m = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());
+    m = _mm512_max_ps(_mm512_abs_ps(v1), m);
+    const float amax = _mm512_reduce_max_ps(m); /* no NaN lanes left: any order is exact */
+    if (amax > 0.0f && isfinite(amax)) {
+        const __m512 inv = _mm512_set1_ps(QG_QMAX / amax), lo = _mm512_set1_ps(-QG_QMAX),
+                     hi = _mm512_set1_ps(QG_QMAX);
+        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512 t0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, inv), rn);
+        __m512 t1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, inv), rn);
+        t0 = _mm512_min_ps(_mm512_max_ps(t0, lo), hi);
+        t1 = _mm512_min_ps(_mm512_max_ps(t1, lo), hi);
+        const __m512i i0 = _mm512_cvtps_epi32(t0), i1 = _mm512_cvtps_epi32(t1);
+        _mm256_storeu_si256((__m256i *)q, _mm512_cvtepi32_epi16(i0));
+        _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(i1));
+        *sq = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        *sa = amax / QG_QMAX;
+    } else {
+        memset(q, 0, QG_BLOCK * sizeof(int16_t));
+        *sa = amax > 0.0f ? amax : 0.0f;
+        *sq = 0.0f;
+    }
+}
+#define quantize_block quantize_block_avx
+#else
+#define quantize_block quantize_block_c
+#endif
+
+/* x [rows][k] fp32 -> qa [rows][k] int16, sa and sq [rows][k / 32]. portable: the C reference
+ * (tests: it must give the vector path's bits). */
+static void quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows,
+                          int64_t k, int threads, int portable) {
     const int64_t nb = k / QG_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 32)
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * k + b * QG_BLOCK;
-            int16_t *q = qa + r * k + b * QG_BLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < QG_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            int32_t sum = 0;
-            if (amax > 0.0f && isfinite(amax)) {
-                float inv = QG_QMAX / amax;
-                for (int i = 0; i < QG_BLOCK; i++) {
-                    float t = rintf(v[i] * inv);
-                    t = fminf(fmaxf(t, -QG_QMAX), QG_QMAX);
-                    q[i] = (int16_t)t;
-                    sum += q[i];
-                }
-                sa[r * nb + b] = amax / QG_QMAX;
-            } else {
-                memset(q, 0, QG_BLOCK * sizeof(int16_t));
-                sa[r * nb + b] = amax > 0.0f ? amax : 0.0f; /* inf/nan propagate through the scale */
-            }
-            sq[r * nb + b] = (float)sum;
+            const int64_t i = r * k + b * QG_BLOCK, j = r * nb + b;
+            if (portable)
+                quantize_block_c(x + i, qa + i, sa + j, sq + j);
+            else
+                quantize_block(x + i, qa + i, sa + j, sq + j);
         }
-    }
+}
+
+void qg_quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows, int64_t k,
+                      int threads) {
+    quantize_rows(x, qa, sa, sq, rows, k, threads, 0);
+}
+
+void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows,
+                                int64_t k) {
+    quantize_rows(x, qa, sa, sq, rows, k, 1, 1);
 }
 
 /* One group of 16 outputs for rows [0, nr) of a tile: the portable reference. */
@@ -120,7 +172,7 @@ static void group_rows_c(const uint8_t *wg, int bits, int64_t nb, const int16_t 
 #ifdef QG_VNNI
 static inline __attribute__((always_inline)) void group_rows_vnni(
     const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
-    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes) {
+    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
     const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
     const __m512i low4 = _mm512_set1_epi16(0x0f);
     /* one row alone waits on its accumulators' latency: give it four chains; many rows have
@@ -130,8 +182,8 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * stride;
-        if (nr <= 2) /* few rows: the weights stream from memory, fetch them ahead (a prefetch
-                      * past the last block is a hint, never a fault) */
+        if (fetch) /* a group's first tile: its weights stream from memory, fetch them ahead (a
+                    * prefetch past the last block is a hint, never a fault) */
             for (int64_t off = 0; off < stride; off += 64)
                 _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
         /* several independent integer chains per row (a VNNI op waits for the previous one on
@@ -182,10 +234,10 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
 }
 
 #define QG_CASE(B, R) \
-    case R: group_rows_vnni(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes); break;
+    case R: group_rows_vnni(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
 static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
-                       int lanes) {
+                       int lanes, int fetch) {
     if (bits == 4) {
         switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6) }
     } else {
@@ -193,7 +245,8 @@ static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *q
     }
 }
 #else
-#define group_rows group_rows_c
+#define group_rows(wg, bits, nb, qa, sa, sq, k, nr, y, ldy, lanes, fetch) \
+    group_rows_c(wg, bits, nb, qa, sa, sq, k, nr, y, ldy, lanes)
 #endif
 
 /* y [rows][n] = the block-quantized product described above. */
@@ -213,7 +266,7 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
             for (int64_t r = s * QG_ROW_SPAN; r < r1; r += QG_ROWS) {
                 int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
                 group_rows(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
-                           y + r * n + g * QG_LANES, n, lanes);
+                           y + r * n + g * QG_LANES, n, lanes, r == s * QG_ROW_SPAN);
             }
         }
     }

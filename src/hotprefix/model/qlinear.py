@@ -143,13 +143,20 @@ class BlockRows:
         return out.view(*idx.shape, w.k)
 
 
-def quantize_rows(lib, x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [rows, k] fp32 -> (int16 activations, a scale and a sum per 32-block)."""
+def quantize_rows(lib, x: torch.Tensor, threads: int,
+                  portable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, k] fp32 -> (int16 activations, a scale and a sum per 32-block); ``portable``: the
+    C reference (tests: the same bits as the vector path)."""
     rows, k = x.shape
     qa = torch.empty(rows, k, dtype=torch.int16)
     sa = torch.empty(rows, k // BLOCK, dtype=torch.float32)
     sq = torch.empty(rows, k // BLOCK, dtype=torch.float32)
-    lib.qg_quantize_rows(x.data_ptr(), qa.data_ptr(), sa.data_ptr(), sq.data_ptr(), rows, k, threads)
+    if portable:
+        lib.qg_quantize_rows_reference(x.data_ptr(), qa.data_ptr(), sa.data_ptr(), sq.data_ptr(),
+                                       rows, k)
+    else:
+        lib.qg_quantize_rows(x.data_ptr(), qa.data_ptr(), sa.data_ptr(), sq.data_ptr(), rows, k,
+                             threads)
     return qa, sa, sq
 
 
@@ -173,7 +180,7 @@ class QuantLinear:
     def reference(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         """The portable C path on the same inputs (tests: it must give ``__call__``'s bits)."""
         x = x.float().contiguous()
-        qa, sa, sq = quantize_rows(self.lib, x, 1)
+        qa, sa, sq = quantize_rows(self.lib, x, 1, portable=True)
         y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
         self.lib.qg_gemm_reference(w.packed.data_ptr(), w.bits, w.n, w.k, qa.data_ptr(),
                                    sa.data_ptr(), sq.data_ptr(), x.shape[0], y.data_ptr())
