@@ -44,10 +44,16 @@ static inline float widen_at(const void *cache, int bf16, int64_t i) {
     return ((const float *)cache)[i];
 }
 
-/* Offset in the pool of key position t's row for KV head h, through the sequence's table. */
-static inline int64_t key_base(const int64_t *table, int64_t bs, int64_t nkv, int64_t hd, int64_t h,
-                               int64_t t) {
-    return ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+/* Offsets in the pool of the rows of keys k0 .. k0 + nk for KV head h, through the sequence's
+ * table: one division for the chunk, not one a key (a 64-bit division costs tens of cycles, and a
+ * decode's chunk is only a few hundred cycles of arithmetic). */
+static inline void key_bases(const int64_t *table, int64_t bs, int64_t nkv, int64_t hd, int64_t h,
+                             int64_t k0, int64_t nk, int64_t *out) {
+    int64_t b = k0 / bs, o = k0 % bs;
+    for (int64_t k = 0; k < nk; k++) {
+        out[k] = ((table[b] * bs + o) * nkv + h) * hd;
+        if (++o == bs) o = 0, b++;
+    }
 }
 
 /* e^x for x <= 0 (x = -inf included), 0 below -86 (the result would be under 4.4e-38 of the
@@ -124,9 +130,8 @@ static inline void transpose16(__m512 *r) {
 
 /* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
  * every row's keys: masked, zeros keep the score chains finite). */
-static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t bs,
-                       int64_t nkv, int64_t hd, int64_t h, const int64_t *table, int64_t k0,
-                       int64_t nk, int portable) {
+static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t hd,
+                       const int64_t *kb, int64_t nk, int portable) {
 #ifdef __AVX512F__
     if (!portable && hd % CH == 0) {
         for (int64_t db = 0; db < hd; db += CH) {
@@ -135,7 +140,7 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
                 __m512 v = _mm512_setzero_ps();
                 r[k] = v;
                 if (k < nk) {
-                    const int64_t base = key_base(table, bs, nkv, hd, h, k0 + k) + db;
+                    const int64_t base = kb[k] + db;
                     r[k] = bf16 ? widen16(kc, base) : _mm512_loadu_ps((const float *)kc + base);
                     v = bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base);
                 }
@@ -152,7 +157,7 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
             for (int64_t d = 0; d < hd; d++) kt[d * CH + k] = 0.0f, vch[k * hd + d] = 0.0f;
             continue;
         }
-        const int64_t base = key_base(table, bs, nkv, hd, h, k0 + k);
+        const int64_t base = kb[k];
         for (int64_t d = 0; d < hd; d++) {
             kt[d * CH + k] = widen_at(kc, bf16, base + d);
             vch[k * hd + d] = widen_at(vc, bf16, base + d);
@@ -314,16 +319,19 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         if (k0 > k_hi) break;
         const int64_t nk = k_hi - k0 + 1 < CH ? k_hi - k0 + 1 : CH;
         const int64_t ahead = k0 + PREFETCH * CH; /* a later chunk's rows on their way meanwhile */
-        for (int64_t t = ahead; t < ahead + CH && t <= k_hi; t++) {
-            const int64_t base = key_base(table, bs, nkv, hd, h, t);
-            const char *kr = (const char *)kc + base * (bf16 ? 2 : 4);
-            const char *vr = (const char *)vc + base * (bf16 ? 2 : 4);
+        const int64_t na = ahead > k_hi ? 0 : k_hi - ahead + 1 < CH ? k_hi - ahead + 1 : CH;
+        int64_t kb[CH];
+        key_bases(table, bs, nkv, hd, h, ahead, na, kb);
+        for (int64_t t = 0; t < na; t++) {
+            const char *kr = (const char *)kc + kb[t] * (bf16 ? 2 : 4);
+            const char *vr = (const char *)vc + kb[t] * (bf16 ? 2 : 4);
             for (int64_t b = 0; b < hd * (bf16 ? 2 : 4); b += 64) {
                 __builtin_prefetch(kr + b);
                 __builtin_prefetch(vr + b);
             }
         }
-        load_chunk(kt, vch, kc, vc, bf16, bs, nkv, hd, h, table, k0, nk, portable);
+        key_bases(table, bs, nkv, hd, h, k0, nk, kb);
+        load_chunk(kt, vch, kc, vc, bf16, hd, kb, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
             chunk_update(qs, kt, vch, hd, j0, nq, g, rpos, k0, m, l, acc, portable);
     }
