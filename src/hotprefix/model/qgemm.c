@@ -254,19 +254,23 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
              const float *sq, int64_t rows, float *y, int threads) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
     const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
+    /* spans of equal size (a whole number of tiles), at most QG_ROW_SPAN rows: threads take
+     * equal counts of (span, group) pairs, so unequal spans (192 rows and 64, say) would leave
+     * one thread most of the work */
     const int64_t spans = (rows + QG_ROW_SPAN - 1) / QG_ROW_SPAN;
+    const int64_t span = ((rows + spans - 1) / spans + QG_ROWS - 1) / QG_ROWS * QG_ROWS;
     /* a span of rows (its activations held in L2) and a group of 16 outputs (its weights in L1)
      * per iteration; threads take contiguous ranges of these pairs: the groups of a short batch
      * are split between them, a long prefill's spans too */
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n * k >= QG_PAR_MIN)
     for (int64_t s = 0; s < spans; s++) {
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t r1 = (s + 1) * QG_ROW_SPAN < rows ? (s + 1) * QG_ROW_SPAN : rows;
+            const int64_t r0 = s * span, r1 = r0 + span < rows ? r0 + span : rows;
             const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
-            for (int64_t r = s * QG_ROW_SPAN; r < r1; r += QG_ROWS) {
+            for (int64_t r = r0; r < r1; r += QG_ROWS) {
                 int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
                 group_rows(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
-                           y + r * n + g * QG_LANES, n, lanes, r == s * QG_ROW_SPAN);
+                           y + r * n + g * QG_LANES, n, lanes, r == r0);
             }
         }
     }
