@@ -33,6 +33,7 @@
 #define PREFETCH 2   /* chunks ahead whose K/V rows are prefetched (a decode reads the pool cold) */
 #define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
+#define PV_VECS 4  /* query vectors sharing each value row's loads (4 x 4 accumulators) */
 
 static inline float widen_at(const void *cache, int bf16, int64_t i) {
     if (bf16) {
@@ -129,11 +130,13 @@ static inline void transpose16(__m512 *r) {
 #endif
 
 /* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
- * every row's keys: masked, zeros keep the score chains finite). */
+ * every row's keys: masked, zeros keep the score chains finite). Where chunk_update's vector path
+ * runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
 static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t hd,
                        const int64_t *kb, int64_t nk, int portable) {
 #ifdef __AVX512F__
     if (!portable && hd % CH == 0) {
+        const int copy_v = hd % 64 != 0;
         for (int64_t db = 0; db < hd; db += CH) {
             __m512 r[CH];
             for (int64_t k = 0; k < CH; k++) {
@@ -142,9 +145,9 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
                 if (k < nk) {
                     const int64_t base = kb[k] + db;
                     r[k] = bf16 ? widen16(kc, base) : _mm512_loadu_ps((const float *)kc + base);
-                    v = bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base);
+                    if (copy_v) v = bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base);
                 }
-                _mm512_storeu_ps(vch + k * hd + db, v);
+                if (copy_v) _mm512_storeu_ps(vch + k * hd + db, v);
             }
             transpose16(r);
             for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
@@ -177,54 +180,128 @@ static inline __attribute__((always_inline)) void scores_avx(const float *qs, co
 }
 #endif
 
+#ifdef __AVX512F__
+/* 16 values of a pool (bf16 or fp32) from element i, as fp32. */
+static inline __m512 value16(const void *vc, int bf16, int64_t i) {
+    return bf16 ? widen16(vc, i) : _mm512_loadu_ps((const float *)vc + i);
+}
+
+/* O = O * alpha, then O += p[k] V[k] for the chunk's keys in order, V read from the pool (rows
+ * kb[k]), for nvec (a constant where inlined) vectors at once, each taking keys 0..nv: the value
+ * rows' loads are shared by the vectors while k < kmin (the fewest keys any of them takes). */
+static inline __attribute__((always_inline)) void pv_avx(const void *vc, int bf16,
+                                                         const int64_t *kb, int64_t hd,
+                                                         const float (*p)[CH], const float *alpha,
+                                                         const int *nv, int kmin, float **o,
+                                                         const int nvec) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+        __m512 a[PV_VECS][4];
+        for (int v = 0; v < nvec; v++) {
+            const __m512 av = _mm512_set1_ps(alpha[v]);
+            for (int c = 0; c < 4; c++) a[v][c] = _mm512_mul_ps(_mm512_loadu_ps(o[v] + d0 + 16 * c), av);
+        }
+        for (int k = 0; k < kmin; k++) {
+            const int64_t vr = kb[k] + d0;
+            const __m512 v0 = value16(vc, bf16, vr), v1 = value16(vc, bf16, vr + 16),
+                         v2 = value16(vc, bf16, vr + 32), v3 = value16(vc, bf16, vr + 48);
+            for (int v = 0; v < nvec; v++) {
+                const __m512 pk = _mm512_set1_ps(p[v][k]);
+                a[v][0] = _mm512_fmadd_ps(pk, v0, a[v][0]);
+                a[v][1] = _mm512_fmadd_ps(pk, v1, a[v][1]);
+                a[v][2] = _mm512_fmadd_ps(pk, v2, a[v][2]);
+                a[v][3] = _mm512_fmadd_ps(pk, v3, a[v][3]);
+            }
+        }
+        for (int v = 0; v < nvec; v++) { /* the rest of each vector's keys, in order */
+            for (int k = kmin; k < nv[v]; k++) {
+                const __m512 pk = _mm512_set1_ps(p[v][k]);
+                for (int c = 0; c < 4; c++)
+                    a[v][c] = _mm512_fmadd_ps(pk, value16(vc, bf16, kb[k] + d0 + 16 * c), a[v][c]);
+            }
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[v] + d0 + 16 * c, a[v][c]);
+        }
+    }
+}
+
+/* scores_avx for a decode's few vectors, the keys read from the pool (rows kb[0..nk), zeros
+ * past nk) and transposed in registers, 16 head dimensions at a time: the same chains, with no
+ * store and reload of the transposed chunk, which only these few vectors would read. */
+static inline __attribute__((always_inline)) void scores_pool_avx(
+    const float *qs, const void *kc, int bf16, const int64_t *kb, int64_t nk, int64_t hd,
+    __m512 *s, const int nb) {
+    for (int b = 0; b < nb; b++) s[b] = _mm512_setzero_ps();
+    for (int64_t db = 0; db < hd; db += CH) {
+        __m512 r[CH];
+        for (int64_t k = 0; k < CH; k++)
+            r[k] = k < nk ? value16(kc, bf16, kb[k] + db) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int d = 0; d < CH; d++)
+            for (int b = 0; b < nb; b++)
+                s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + db + d]), r[d], s[b]);
+    }
+}
+#endif
+
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
  * online softmax state (m, l) and accumulators acc[j][hd] updated; vectors >= nq untouched. */
-static void chunk_update(const float *qs, const float *kt, const float *vch, int64_t hd,
+static void chunk_update(const float *qs, const float *kt, const float *vch, const void *kc,
+                         const void *vc, int bf16, const int64_t *kb, int64_t nk, int64_t hd,
                          int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
                          float *m, float *l, float *acc, int portable) {
 #ifdef __AVX512F__
     if (!portable && hd % 64 == 0) {
         __m512 s[QB];
-        if (nq - j0 <= QB / 2) /* a decode's few vectors: no chains for padding vectors */
+        if (nq <= QB / 2) /* a decode's few vectors: no chains for padding vectors, kt unused */
+            scores_pool_avx(qs + j0 * hd, kc, bf16, kb, nk, hd, s, QB / 2);
+        else if (nq - j0 <= QB / 2)
             scores_avx(qs + j0 * hd, kt, hd, s, QB / 2);
         else
             scores_avx(qs + j0 * hd, kt, hd, s, QB);
+        /* Each vector's steps are those of the portable path below, in its order; they run in
+         * phases across the vectors (each phase's vectors independent of each other), so that
+         * the long dependency chains of the max, the exponentials and the sums overlap, and the
+         * value rows are loaded once for up to PV_VECS vectors. */
+        int live[QB], nv[QB], nlive = 0;
+        float mn[QB], alpha[QB], p[QB][CH];
         for (int b = 0; b < QB && j0 + b < nq; b++) {
-            const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1;
-            if (valid <= 0) continue;
-            const int nv = valid < CH ? (int)valid : CH;
-            const __mmask16 keep = (__mmask16)((1u << nv) - 1u);
-            const __m512 sb = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[b]);
-            const float mn = fmaxf(m[j], _mm512_reduce_max_ps(sb));
-            const float alpha = exp_le0(m[j] - mn);
-            float p[CH];
-            const __m512 pv = exp_le0_v(_mm512_sub_ps(sb, _mm512_set1_ps(mn)));
-            _mm512_storeu_ps(p, pv);
+            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1;
+            if (valid <= 0) continue; /* this row's keys end before the chunk */
+            live[nlive] = b;
+            nv[nlive++] = valid < CH ? (int)valid : CH;
+        }
+        __m512 sb[QB];
+        for (int i = 0; i < nlive; i++) {
+            const int b = live[i];
+            const __mmask16 keep = (__mmask16)((1u << nv[i]) - 1u);
+            sb[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[b]);
+            mn[i] = fmaxf(m[j0 + b], _mm512_reduce_max_ps(sb[i]));
+        }
+        for (int i = 0; i < nlive; i++) alpha[i] = exp_le0(m[j0 + live[i]] - mn[i]);
+        for (int i = 0; i < nlive; i++)
+            _mm512_storeu_ps(p[i], exp_le0_v(_mm512_sub_ps(sb[i], _mm512_set1_ps(mn[i]))));
+        for (int i = 0; i < nlive; i++) {
+            const int64_t j = j0 + live[i];
+            const __m512 pv = _mm512_loadu_ps(p[i]);
             const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(pv),
                                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pv), 1)));
             const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
             const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-            l[j] = l[j] * alpha + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
-            m[j] = mn;
-            const __m512 av = _mm512_set1_ps(alpha);
-            float *o = acc + j * hd;
-            for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-                __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o + d0), av);
-                __m512 o1 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 16), av);
-                __m512 o2 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 32), av);
-                __m512 o3 = _mm512_mul_ps(_mm512_loadu_ps(o + d0 + 48), av);
-                for (int k = 0; k < nv; k++) {
-                    const __m512 pk = _mm512_set1_ps(p[k]);
-                    const float *v = vch + k * hd + d0;
-                    o0 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v), o0);
-                    o1 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 16), o1);
-                    o2 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 32), o2);
-                    o3 = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 48), o3);
-                }
-                _mm512_storeu_ps(o + d0, o0);
-                _mm512_storeu_ps(o + d0 + 16, o1);
-                _mm512_storeu_ps(o + d0 + 32, o2);
-                _mm512_storeu_ps(o + d0 + 48, o3);
+            l[j] = l[j] * alpha[i] + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
+            m[j] = mn[i];
+        }
+        for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
+            const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
+            int kmin = CH;
+            float *o[PV_VECS];
+            for (int i = i0; i < i0 + nvec; i++) {
+                kmin = nv[i] < kmin ? nv[i] : kmin;
+                o[i - i0] = acc + (j0 + live[i]) * hd;
+            }
+            switch (nvec) { /* a constant count each: the accumulators stay in registers */
+            case 1: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
+            case 2: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
+            case 3: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
+            default: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
             }
         }
         return;
@@ -331,9 +408,11 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
             }
         }
         key_bases(table, bs, nkv, hd, h, k0, nk, kb);
-        load_chunk(kt, vch, kc, vc, bf16, hd, kb, nk, portable);
+        if (portable || hd % 64 != 0 || nq > QB / 2) /* else chunk_update reads the pool */
+            load_chunk(kt, vch, kc, vc, bf16, hd, kb, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
-            chunk_update(qs, kt, vch, hd, j0, nq, g, rpos, k0, m, l, acc, portable);
+            chunk_update(qs, kt, vch, kc, vc, bf16, kb, nk, hd, j0, nq, g, rpos, k0, m, l, acc,
+                         portable);
     }
     for (int64_t j = 0; j < nq; j++) {
         if (parts) {
