@@ -251,9 +251,14 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
 #ifdef __AVX512F__
     if (!portable && hd % 64 == 0) {
         __m512 s[QB];
-        if (nq <= QB / 2) /* a decode's few vectors: no chains for padding vectors, kt unused */
-            scores_pool_avx(qs + j0 * hd, kc, bf16, kb, nk, hd, s, QB / 2);
-        else if (nq - j0 <= QB / 2)
+        if (nq <= QB / 2) { /* a decode's few vectors: a chain each, kt unused */
+            switch (nq) {
+            case 1: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 1); break;
+            case 2: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 2); break;
+            case 3: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 3); break;
+            default: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, QB / 2); break;
+            }
+        } else if (nq - j0 <= QB / 2)
             scores_avx(qs + j0 * hd, kt, hd, s, QB / 2);
         else
             scores_avx(qs + j0 * hd, kt, hd, s, QB);
