@@ -311,6 +311,31 @@ def test_disk_survives_a_restart_with_private_files(tmp_path):
         assert stack._tiers[0]._order.priority(storage_key(LAYOUT, entries[0].key)) == 3
 
 
+def test_disk_reads_are_mapped_views_that_outlive_their_files(tmp_path):
+    """A disk read maps the file: the payload is a read-only view, still valid (and unchanged)
+    after the file is evicted or replaced by a new write, and a host tier filled from it holds
+    its own copy, not a view of the mapping."""
+    entries, payloads = chain(3)
+    url = f"disk:{tmp_path / 'kv'}"
+    with TierStack([url], LAYOUT) as stack:
+        store_all(stack, entries, payloads)
+    with TierStack(["host:64MiB", url], LAYOUT) as stack:
+        got = stack.fetch_run(entries, PAYLOAD_LEN)
+        assert [b.tier for b in got] == ["disk"] * 3
+        assert all(isinstance(b.payload, memoryview) and b.payload.readonly for b in got)
+        files = sorted((tmp_path / "kv").rglob("*.blk"))
+        files[0].unlink()  # evicted meanwhile
+        for f in files[1:]:  # replaced meanwhile (a new file renamed over the old one)
+            tmp = f.with_suffix(".tmp")
+            tmp.write_bytes(b"\0" * f.stat().st_size)
+            tmp.rename(f)
+        assert [bytes(b.payload) for b in got] == payloads
+        stack.flush()  # the read-through fill of the host tier
+        held = stack._tiers[0]._blobs
+        assert len(held) == 3 and all(type(b) is bytes for b in held.values())
+        assert [b.payload for b in stack.fetch_run(entries, PAYLOAD_LEN)] == payloads
+
+
 def test_disk_budget_evicts_least_recent_and_lowest_priority_first(tmp_path):
     entries, payloads = chain(8)
     blob_len = len(blob_of(entries[0], payloads[0]))

@@ -12,12 +12,21 @@ least recently read or written (recency across restarts comes from the files' mt
 touches its file). One process owns a directory at a time: replicas share entries through a
 network tier, not through one disk directory.
 
+A read maps the file (``mmap``, read-only) instead of copying it into new memory: the blob's pages
+are the page cache's, so a restarted process's first load pays no page faults of fresh memory
+(on this machine those were most of a 4,000-token load: 99 MB read into new buffers took 56-81
+ms, mapped 3 ms, and the checksum then reads the pages either way). A mapping stays valid after
+its file is evicted or replaced (the tier writes new files and renames them, never truncates one
+in place); a file truncated in place by someone else while it is mapped would fault the process,
+as any mapped file does.
+
 A failure of the directory (missing, permission denied, disk full) is a ``TierError``; if the
 directory cannot be set up at start, every call retries the setup. Imports no torch.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import threading
@@ -36,6 +45,14 @@ STALE_TMP_S = 600.0
 
 def _error(action: str, e: OSError) -> TierError:
     return TierError(f"disk tier: {action}: {e.strerror or e} ({type(e).__name__})")
+
+
+def _read_mapped(path: Path) -> bytes | memoryview:
+    """A file's bytes as a read-only view of a private mapping (an empty file: ``b""``)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 @register("disk")
@@ -137,9 +154,9 @@ class DiskTier(Tier):
         self.evictions += 1
 
     # ------------------------------------------------------------------ the Tier interface
-    def get_many(self, skeys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, skeys: Sequence[str]) -> list[bytes | memoryview | None]:
         self._ensure_ready()
-        out: list[bytes | None] = []
+        out: list[bytes | memoryview | None] = []
         for skey in skeys:
             with self._lock:
                 priority = self._order.priority(skey)
@@ -148,8 +165,7 @@ class DiskTier(Tier):
                 continue
             path = self._path(skey, priority)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = _read_mapped(path)
             except FileNotFoundError:  # evicted or replaced meanwhile, or removed by hand
                 with self._lock:
                     if self._order.priority(skey) == priority:
