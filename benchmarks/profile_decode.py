@@ -1,4 +1,5 @@
-"""Where a decode step's time goes: torch.profiler over the engine's batch-1 decode steps, the
+"""Where a decode step's time goes: torch.profiler over the engine's decode steps (batch 1, or
+``--batch N`` sequences of their own prompts decoding together; their prefills left out), the
 operators grouped into GEMMs, attention, KV pool reads and writes, and the rest (elementwise work
 and small ops), plus the C kernels (the fused elementwise ones, the C attention, the ``gguf``
 mode's block GEMMs, its two calls a layer and its one call for every layer, timed around their
@@ -8,6 +9,7 @@ Python). The small operators are listed too. ``--per-layer`` makes a call a laye
 layer calls and the attention are timed apart.
 
     .venv/bin/python benchmarks/profile_decode.py [--weights auto|dense|int4|...] [--context 128]
+        [--batch 16] [--per-layer]
 
 Not a benchmark: one run, and the profiler adds overhead to every operator call.
 """
