@@ -179,3 +179,34 @@ def test_decodes_sharing_a_prefix_are_attended_together_with_each_rows_bits():
         assert torch.equal(_run(ops, k, v, q_all, _prefill_meta(tab, 0, n, bs))[-1], out[i]), i
     ref = _reference(qs[:1], k, v, tables[0], bs, [lens[0] - 1])
     assert (out[:1].double() - ref).abs().max().item() < 2e-5
+
+
+def test_a_build_without_avx512_gives_the_same_bits(tmp_path):
+    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``) against this build, both
+    on their default (non-portable) path: decodes (whose vector path reads K and V from the pool
+    itself) and a prefill, in bf16 and fp32 pools. Guards the paths' split: a build without the
+    vector path must still load each chunk for the scalar one."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C compiler")
+    so = tmp_path / "plain.so"
+    flags = [f for f in fused.CFLAGS if f != "-march=native"] + ["-march=x86-64-v2"]
+    subprocess.run([cc, *flags, "-o", str(so), *map(str, fused.SOURCES), "-lm"], check=True,
+                   capture_output=True)
+    plain_lib = fused.bind(ctypes.CDLL(str(so)))
+    for pool_dtype in (torch.bfloat16, torch.float32):
+        ops, k, v, g = _setup(9, 3, 64, 16, pool_dtype, seed=3)
+        plain_ops = fused.FusedOps(plain_lib, 1e-5, 9, 3, 64)
+        tables = [torch.randperm(NB, generator=g)[:24].tolist() for _ in range(4)]
+        ctxs = [1, 17, 256, 381]
+        q = torch.randn(4, 9, 64, generator=g)
+        meta = _decode_meta(tables, ctxs, 16)
+        assert torch.equal(_run(plain_ops, k, v, q, meta), _run(ops, k, v, q, meta))
+        qp = torch.randn(40, 9, 64, generator=g)
+        meta = _prefill_meta(tables[0], 300, 40, 16)
+        assert torch.equal(_run(plain_ops, k, v, qp, meta), _run(ops, k, v, qp, meta))

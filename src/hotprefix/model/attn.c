@@ -34,6 +34,11 @@
 #define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
 #define PV_VECS 4  /* query vectors sharing each value row's loads (4 x 4 accumulators) */
+#ifdef __AVX512F__ /* whether chunk_update's vector path runs (it reads V, and a decode's K, itself) */
+#define VECTOR_UPDATE(hd, portable) (!(portable) && (hd) % 64 == 0)
+#else
+#define VECTOR_UPDATE(hd, portable) 0
+#endif
 
 static inline float widen_at(const void *cache, int bf16, int64_t i) {
     if (bf16) {
@@ -136,7 +141,7 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
                        const int64_t *kb, int64_t nk, int portable) {
 #ifdef __AVX512F__
     if (!portable && hd % CH == 0) {
-        const int copy_v = hd % 64 != 0;
+        const int copy_v = !VECTOR_UPDATE(hd, portable);
         for (int64_t db = 0; db < hd; db += CH) {
             __m512 r[CH];
             for (int64_t k = 0; k < CH; k++) {
@@ -249,7 +254,7 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
                          int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
                          float *m, float *l, float *acc, int portable) {
 #ifdef __AVX512F__
-    if (!portable && hd % 64 == 0) {
+    if (VECTOR_UPDATE(hd, portable)) {
         __m512 s[QB];
         if (nq <= QB / 2) { /* a decode's few vectors: a chain each, kt unused */
             switch (nq) {
@@ -402,7 +407,7 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         const int64_t nk = k_hi - k0 + 1 < CH ? k_hi - k0 + 1 : CH;
         int64_t kb[CH];
         /* later chunks' rows on their way to L2 meanwhile (into L1, the prefetches of a cold pool
-         * stalled more than they hid: 16 decodes at 160 keys, 215 against 160 us a layer): at the
+         * stalled more than they hid: 16 decodes at 160 keys, 213 against 152 us a layer): at the
          * first chunk the next PREFETCH, then one a chunk */
         for (int64_t ahead = k0 == k_lo ? k0 : k0 + PREFETCH * CH; ahead <= k0 + PREFETCH * CH;
              ahead += CH) {
@@ -418,7 +423,7 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
             }
         }
         key_bases(table, bs, nkv, hd, h, k0, nk, kb);
-        if (portable || hd % 64 != 0 || nq > QB / 2) /* else chunk_update reads the pool */
+        if (!VECTOR_UPDATE(hd, portable) || nq > QB / 2) /* else chunk_update reads the pool */
             load_chunk(kt, vch, kc, vc, bf16, hd, kb, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
             chunk_update(qs, kt, vch, kc, vc, bf16, kb, nk, hd, j0, nq, g, rpos, k0, m, l, acc,

@@ -124,6 +124,11 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("fused kernels unavailable (%s): the elementwise work runs as torch ops", detail)
         return None
+    return bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with the kernels' argument and return types set (a build of ``SOURCES``)."""
     for name, (args, result) in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = result
