@@ -132,6 +132,20 @@ static inline void transpose16(__m512 *r) {
         r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
     }
 }
+
+/* 16 values of a pool (bf16 or fp32) from element i, as fp32. */
+static inline __m512 value16(const void *vc, int bf16, int64_t i) {
+    return bf16 ? widen16(vc, i) : _mm512_loadu_ps((const float *)vc + i);
+}
+
+/* Head dimensions db..db+15 of a chunk's keys (pool rows kb[0..nk), zeros past nk), transposed:
+ * r[d] holds dimension db + d of the 16 keys. */
+static inline void keys_transposed16(__m512 *r, const void *kc, int bf16, const int64_t *kb,
+                                     int64_t nk, int64_t db) {
+    for (int64_t k = 0; k < CH; k++)
+        r[k] = k < nk ? value16(kc, bf16, kb[k] + db) : _mm512_setzero_ps();
+    transpose16(r);
+}
 #endif
 
 /* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
@@ -143,18 +157,11 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
     if (!portable && hd % CH == 0) {
         const int copy_v = !VECTOR_UPDATE(hd, portable);
         for (int64_t db = 0; db < hd; db += CH) {
+            for (int64_t k = 0; copy_v && k < CH; k++)
+                _mm512_storeu_ps(vch + k * hd + db,
+                                 k < nk ? value16(vc, bf16, kb[k] + db) : _mm512_setzero_ps());
             __m512 r[CH];
-            for (int64_t k = 0; k < CH; k++) {
-                __m512 v = _mm512_setzero_ps();
-                r[k] = v;
-                if (k < nk) {
-                    const int64_t base = kb[k] + db;
-                    r[k] = bf16 ? widen16(kc, base) : _mm512_loadu_ps((const float *)kc + base);
-                    if (copy_v) v = bf16 ? widen16(vc, base) : _mm512_loadu_ps((const float *)vc + base);
-                }
-                if (copy_v) _mm512_storeu_ps(vch + k * hd + db, v);
-            }
-            transpose16(r);
+            keys_transposed16(r, kc, bf16, kb, nk, db);
             for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
         }
         return;
@@ -182,13 +189,6 @@ static inline __attribute__((always_inline)) void scores_avx(const float *qs, co
         const __m512 kd = _mm512_loadu_ps(kt + d * CH);
         for (int b = 0; b < nb; b++) s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + d]), kd, s[b]);
     }
-}
-#endif
-
-#ifdef __AVX512F__
-/* 16 values of a pool (bf16 or fp32) from element i, as fp32. */
-static inline __m512 value16(const void *vc, int bf16, int64_t i) {
-    return bf16 ? widen16(vc, i) : _mm512_loadu_ps((const float *)vc + i);
 }
 
 /* O = O * alpha, then O += p[k] V[k] for the chunk's keys in order, V read from the pool (rows
@@ -237,9 +237,7 @@ static inline __attribute__((always_inline)) void scores_pool_avx(
     for (int b = 0; b < nb; b++) s[b] = _mm512_setzero_ps();
     for (int64_t db = 0; db < hd; db += CH) {
         __m512 r[CH];
-        for (int64_t k = 0; k < CH; k++)
-            r[k] = k < nk ? value16(kc, bf16, kb[k] + db) : _mm512_setzero_ps();
-        transpose16(r);
+        keys_transposed16(r, kc, bf16, kb, nk, db);
         for (int d = 0; d < CH; d++)
             for (int b = 0; b < nb; b++)
                 s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + db + d]), r[d], s[b]);

@@ -189,7 +189,6 @@ class FusedOps:
                                  k_cache.shape[1], k_cache.shape[2], k_cache.shape[3],
                                  k_out.data_ptr(), v_out.data_ptr(), self.threads())
 
-
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, scale: float,
                   portable: bool = False) -> torch.Tensor:

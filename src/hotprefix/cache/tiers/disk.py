@@ -48,7 +48,7 @@ def _error(action: str, e: OSError) -> TierError:
 
 
 def _read_mapped(path: Path) -> bytes | memoryview:
-    """A file's bytes as a read-only view of a private mapping (an empty file: ``b""``)."""
+    """A file's bytes as a view of a read-only mapping of it (an empty file: ``b""``)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""
