@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import httpx
 import pytest
@@ -178,6 +179,43 @@ def test_public_metrics_show_no_cross_tenant_row(tiny_model_dir, tmp_path):
         assert 'reason="cold"' in r.text and 'reason="salt"' not in r.text
         admin_view = s.state.aengine.submit(lambda e: e.cache_stats()).result(30)
         assert admin_view["requests_by_reason"].get("salt") == 1  # the operator still has it
+
+
+def _miss_metrics(s) -> dict[str, float]:
+    text = httpx.get(s.url + "/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(
+        r'^hotprefix_prefix_cache_miss_tokens_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_public_metrics_move_alike_for_a_right_and_a_wrong_guess(tiny_model_dir, tmp_path):
+    """With --public-metrics, an attacker sharing a window with its victim guesses the text after
+    it: its own report says ``extended`` (or ``diverged``, after it cached a decoy) either way, and
+    the miss counters must move the same way too. They had counted a right guess (another
+    tenant's tokens: the operator's ``salt``) under ``cold``, a wrong one under the reason told."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    with LiveServer(tiny_config(tiny_model_dir), ServerConfig(api_keys=str(keys),
+                                                              public_metrics=True)) as s:
+        window = words(40, SHARED)
+        secret = words(41, 2 * BS)
+        complete(s, "sk-sa", window + secret + [7])  # the victim caches window + secret
+
+        def moved(prompt) -> dict[str, float]:
+            before = _miss_metrics(s)
+            r = complete(s, "sk-sb", prompt, hotprefix={"cache": "none"})
+            after = _miss_metrics(s)
+            moves = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+            return {"told": report(r)["miss_reason"], **moves}
+
+        for told in ("extended", "diverged"):
+            if told == "diverged":  # the attacker's own decoy: its guesses diverge from it at 4
+                complete(s, "sk-sb", window + secret[:4] + words(42, 2 * BS - 4) + [7])
+            right = moved(window + secret + [7])
+            wrong = moved(window + secret[:4] + words(43, 2 * BS - 4) + [7])
+            assert right == wrong, (right, wrong)
+            assert right["told"] == told and set(right) == {"told", told}
+        admin_view = s.state.aengine.submit(lambda e: e.cache_stats()).result(30)
+        assert admin_view["requests_by_reason"].get("salt", 0) >= 2  # the operator still sees it
 
 
 def test_state_files_are_private_and_keyed(srv):

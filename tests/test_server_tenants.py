@@ -30,6 +30,19 @@ def test_invalid_key_files_are_refused(raw):
         parse_keys(raw)
 
 
+def test_the_admin_keys_tenant_name_is_reserved(tmp_path):
+    """A key file tenant named as the --admin-key's requests would share their salt, hence read
+    the prompts the admin cached: refused at start, with the reason."""
+    for entry in ("__admin__", {"tenant": "__admin__", "admin": True}):
+        with pytest.raises(ConfigError, match="reserved for the --admin-key"):
+            parse_keys({"sk-x": entry})
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"a1": "alice", "a2": "admin"}))
+    reg = TenantRegistry.from_file(str(f), admin_key="root")
+    names = {reg.authenticate(k).salt for k in ("a1", "a2", "root")}
+    assert len(names) == 3  # the admin key's tenant shares no salt with a key file's
+
+
 def test_unreadable_file(tmp_path):
     bad = tmp_path / "keys.json"
     bad.write_text("{nope")

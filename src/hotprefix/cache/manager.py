@@ -311,7 +311,7 @@ class KVCacheManager:
             rep.miss_reason, rep.miss_position, rep.detail = miss.reason, miss.position, miss.detail
             req.operator_reason = miss.operator_reason
         missed = n_prompt - cached_tokens
-        self.stats.record(n_prompt, cached_tokens, req.operator_reason or rep.miss_reason, missed)
+        self.stats.record(n_prompt, cached_tokens, rep.miss_reason, missed, req.operator_reason)
         self.tenant_stats(req.salt).record(n_prompt, cached_tokens, rep.miss_reason, missed)
         req.cache_report = rep
         return rep

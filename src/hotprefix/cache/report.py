@@ -35,10 +35,6 @@ class MissReason(StrEnum):
     """Operator-only: another tenant holds the same tokens. A tenant sees ``cold``/``extended``."""
 
 
-OPERATOR_ONLY = {MissReason.SALT: MissReason.COLD}
-"""Reasons only the operator may see, and what a tenant-readable view counts them as."""
-
-
 @dataclass
 class CacheReport:
     """One request's cache report (built at its first admission)."""

@@ -23,6 +23,11 @@ class CacheStats:
     miss_tokens_by_reason: Counter = field(default_factory=Counter)
     """Uncached prompt tokens, by the miss reason of their request."""
     requests_by_reason: Counter = field(default_factory=Counter)
+    public_miss_tokens_by_reason: Counter = field(default_factory=Counter)
+    """``miss_tokens_by_reason`` under the reason each request was told: no operator-only reason
+    (``salt``) in it, for views tenants may read (``--public-metrics``)."""
+    public_requests_by_reason: Counter = field(default_factory=Counter)
+    """``requests_by_reason`` under the reason each request was told."""
     miss_causes: Counter = field(default_factory=Counter)
     """Uncached prompt tokens by (reason, likely cause, block index) — what an operator acts on."""
     recent: deque = field(init=False, repr=False)
@@ -35,14 +40,20 @@ class CacheStats:
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.window)
 
-    def record(self, queried: int, hit: int, reason: str, missed_tokens: int) -> None:
-        reason = str(reason)  # a MissReason counts under its value
+    def record(self, queried: int, hit: int, reason: str, missed_tokens: int,
+               operator_reason: str | None = None) -> None:
+        """One admitted request; ``reason``: the one it was told, ``operator_reason``: what only
+        the operator may see instead (cross-tenant duplication), counted in the operator's view."""
+        told = str(reason)  # a MissReason counts under its value
+        reason = str(operator_reason or reason)
         self.queries_tokens += queried
         self.hit_tokens += hit
         self.num_requests += 1
         self.requests_by_reason[reason] += 1
-        if missed_tokens and reason != "hit":  # after a full hit the rest was never cacheable
+        self.public_requests_by_reason[told] += 1
+        if missed_tokens and told != "hit":  # after a full hit the rest was never cacheable
             self.miss_tokens_by_reason[reason] += missed_tokens
+            self.public_miss_tokens_by_reason[told] += missed_tokens
         if self.recent.maxlen:
             if len(self.recent) == self.recent.maxlen:  # the oldest falls out on append
                 old_queried, old_hit = self.recent[0]
@@ -88,6 +99,8 @@ class CacheStats:
         self.queries_tokens = self.hit_tokens = self.num_requests = self.written_blocks = 0
         self.miss_tokens_by_reason.clear()
         self.requests_by_reason.clear()
+        self.public_miss_tokens_by_reason.clear()
+        self.public_requests_by_reason.clear()
         self.miss_causes.clear()
         self.recent.clear()
         self.recent_queried_tokens = self.recent_hit_tokens = 0
@@ -106,5 +119,7 @@ def request_figures(s: CacheStats) -> dict:
         "miss_tokens_by_reason": dict(s.miss_tokens_by_reason),
         "miss_share_by_reason": s.miss_breakdown(),
         "requests_by_reason": dict(s.requests_by_reason),
+        "public_miss_tokens_by_reason": dict(s.public_miss_tokens_by_reason),
+        "public_requests_by_reason": dict(s.public_requests_by_reason),
         "top_miss_causes": s.top_causes(),
     }

@@ -16,7 +16,6 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hotprefix.cache.report import OPERATOR_ONLY
 from hotprefix.vllm_compat import METRICS as VLLM_METRICS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -24,15 +23,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
-def fold_operator_reasons(stats: dict[str, Any]) -> dict[str, Any]:
-    """``stats`` with operator-only miss reasons counted under their tenant-facing reason."""
-    out = dict(stats)
-    for key in ("miss_tokens_by_reason", "requests_by_reason"):
-        folded: dict[str, int] = {}
-        for reason, n in (stats.get(key) or {}).items():
-            r = str(OPERATOR_ONLY.get(reason, reason))  # type: ignore[call-overload]
-            folded[r] = folded.get(r, 0) + n
-        out[key] = folded
+def public_reasons(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with each request's miss counted under the reason that request was told, for a
+    view tenants may read: an operator-only reason (``salt``: another tenant holds these tokens)
+    is not folded into one fixed reason, which would differ from what the tenant saw whenever it
+    was told ``extended`` or ``diverged``, and so confirm a guessed prompt."""
+    out = {k: v for k, v in stats.items() if not k.startswith("public_")}
+    out["miss_tokens_by_reason"] = dict(stats.get("public_miss_tokens_by_reason") or {})
+    out["requests_by_reason"] = dict(stats.get("public_requests_by_reason") or {})
     return out
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from hotprefix.engine.async_engine import EngineStopped
 from hotprefix.server import protocol as P
 from hotprefix.server.deps import get_state, metrics_dep, tenant_dep
-from hotprefix.server.metrics import CONTENT_TYPE, fold_operator_reasons
+from hotprefix.server.metrics import CONTENT_TYPE, public_reasons
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import Tenant
 
@@ -46,5 +46,5 @@ async def health(state: ServerState = Depends(get_state)):
 async def metrics(state: ServerState = Depends(get_state)):
     stats = await state.aengine.call(lambda e: e.cache_stats())
     if state.config.public_metrics:  # readable by tenants: no cross-tenant row to watch
-        stats = fold_operator_reasons(stats)
+        stats = public_reasons(stats)
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)

@@ -26,7 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from hotprefix.config import ConfigError
 
@@ -159,6 +160,15 @@ class KeyEntry(BaseModel):
     def _name_only(cls, data: Any) -> Any:
         """``"sk-alice": "alice"`` is short for ``{"tenant": "alice"}``."""
         return {"tenant": data} if isinstance(data, str) else data
+
+    @field_validator("tenant")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        """The admin key's tenant name would share its salt, hence its cached prompts."""
+        if name == ADMIN_TENANT:
+            raise ValueError(f"{ADMIN_TENANT!r} is reserved for the --admin-key's requests; "
+                             "give this key another tenant name (and \"admin\": true to make it an admin)")
+        return name
 
     def to_tenant(self, default_shared: int) -> Tenant:
         given = "shared_prefix_tokens" in self.model_fields_set
