@@ -305,8 +305,10 @@ def test_disk_survives_a_restart_with_private_files(tmp_path):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in [root, *[p.parent for p in files]])
     (files[0].parent / ".leftover.tmp").write_bytes(b"x")  # a crash's temp file is never an entry
+    os.chmod(root, 0o755)  # an operator's chmod, or a folder made by hand: made private again
     with TierStack([url], LAYOUT) as stack:
         assert stack.stats()["disk"]["entries"] == 6
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
         assert [b.payload for b in stack.fetch_run(entries, PAYLOAD_LEN)] == payloads
         assert stack._tiers[0]._order.priority(storage_key(LAYOUT, entries[0].key)) == 3
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -93,6 +94,8 @@ class DiskTier(Tier):
                 return
             try:
                 self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if stat.S_IMODE(self.root.stat().st_mode) & 0o077:  # made by hand, open to others
+                    os.chmod(self.root, 0o700)
                 found = self._scan()
             except OSError as e:
                 raise _error(f"cannot use {self.root}", e) from None
