@@ -401,7 +401,24 @@ def test_anthropic_errors_have_anthropics_shape(srv):
         j = r.json()
         assert j["type"] == "error" and j["error"]["type"] == "invalid_request_error", j
         assert isinstance(j["error"]["message"], str) and j["error"]["message"]
+    # the message names where in the body, not the string branch of a string-or-blocks field
+    r = http.post("/v1/messages", json=system({"type": "ephemeral", "ttl": "2h"}))
+    assert "system[0].cache_control.ttl" in r.json()["error"]["message"]
+    r = http.post("/v1/messages", json={**base, "stop_sequences": [""]})
+    assert r.json()["error"]["message"].startswith("stop_sequences ")
+    # errors raised before the route runs take its shape too: a body over the limit that says
+    # its length (as every client does), a method the route does not take
+    r = http.post("/v1/messages", content=b"x" * (srv.state.config.max_request_bytes + 1),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json() == {"type": "error", "error": {"type": "request_too_large",
+                                                   "message": r.json()["error"]["message"]}}
+    r = http.get("/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error", r.text
     # the OpenAI routes keep OpenAI's error shape
+    r = http.post("/v1/completions", content=b"x" * (srv.state.config.max_request_bytes + 1),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = http.post("/v1/chat/completions", json={"model": srv.model, "messages": []})
     assert r.status_code == 400 and "error" in r.json() and "type" not in r.json()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -84,6 +85,10 @@ BAD_COMPLETIONS = [
     ("hotprefix.cache", {"hotprefix": {"cache": "forever"}}),
     ("hotprefix.ttl_s", {"hotprefix": {"ttl_s": -1}}),
     ("hotprefix.bogus", {"hotprefix": {"bogus": 1}}),
+    ("stop[1]", {"stop": ["a", 1]}),  # the list's item, not the string branch of str | list
+    ("stop", {"stop": [f"s{i}" for i in range(65)]}),  # each is searched after every token
+    ("stop", {"stop": "x" * 1001}),
+    ("stop_token_ids", {"stop_token_ids": list(range(65))}),
 ]
 
 
@@ -97,6 +102,9 @@ BAD_CHATS = [
     ("messages", {"messages": "hi"}),
     ("messages[0].role", {"messages": [{"role": "wizard", "content": "x"}]}),
     ("messages[0].content", {"messages": [{"role": "user", "content": 5}]}),
+    ("messages[0].content[0].type", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),
+    ("messages[0].content[0].text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
     ("max_completion_tokens", {"max_completion_tokens": 0}),
     ("temperature", {"temperature": -1}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -198,6 +206,29 @@ def test_warm_then_first_user_hits(srv, http):
     assert [x["index"] for x in again["data"]] == [0, 1]
     assert_error(http.post("/v1/cache/warm", json={}), 400)
     assert_error(http.post("/v1/cache/warm", json={"prompts": [""]}), 400)
+
+
+def test_warm_stops_submitting_when_its_client_leaves(srv, http):
+    """Each warm prompt's submission waits for an engine step: a client gone before they are all in
+    must not leave the engine computing the rest for nobody. The engine thread is held while the
+    client sends a warm body of 30 prompts and hangs up, then let go."""
+    import socket
+    import threading
+
+    before = http.get("/v1/cache/stats").json()["requests"]
+    release = threading.Event()
+    held = srv.state.aengine.submit(lambda e: release.wait(30))
+    body = json.dumps({"prompts": [f"leaving client prompt {i} " * 12 for i in range(30)]}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(b"POST /v1/cache/warm HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)  # the handler is waiting on its first submission
+    time.sleep(0.5)  # the server has seen the connection close
+    release.set()
+    held.result(30)
+    stats = wait_idle(srv.url)
+    assert stats["blocks_in_use"] == 0
+    assert stats["requests"] - before <= 2, stats["requests"] - before  # not the 30
 
 
 def test_streaming_events_and_final_usage(srv, http):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +23,13 @@ MIN_TEMPERATURE = 1e-5
 them as 0.0."""
 DEFAULT_MAX_TOKENS = 16
 """Most tokens generated when a request does not say (OpenAI's completions default)."""
+
+
+MAX_STOP_SEQUENCES = 64
+"""Most stop strings (and stop token ids) a request may give: every one is searched after each
+token, in the engine thread that serves every request (OpenAI takes 4)."""
+MAX_STOP_CHARS = 1000
+"""Longest stop string (characters)."""
 
 
 class SamplingError(ValueError):
@@ -90,9 +98,14 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise SamplingError("stop must be a non-empty string or a list of them", "stop")
+        if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise SamplingError(f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most "
+                                f"{MAX_STOP_CHARS} characters each", "stop")
         if self.stop_token_ids is not None and not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise SamplingError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_SEQUENCES:
+            raise SamplingError(f"stop_token_ids takes at most {MAX_STOP_SEQUENCES} ids", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -129,9 +142,13 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ([rows, vocab], float32)."""
-    greedy = logits.argmax(dim=-1).tolist()
+           generators: list[torch.Generator | None],
+           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
+    """One token per row of ``logits`` ([rows, vocab], float32); ``argmax``: each row's argmax
+    (the model's kernel; by default torch's), taken only when a row is greedy."""
+    greedy = None
+    if any(p.greedy for p in params):
+        greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):
         if p.greedy:

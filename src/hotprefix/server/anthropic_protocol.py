@@ -35,6 +35,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 """Anthropic's ``error.type`` for each HTTP status this server answers on ``/v1/messages``."""
 
 
+MESSAGES_PATH = "/v1/messages"
+"""The Messages API's route (and the prefix of any route under it)."""
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is the Messages API's (its errors take Anthropic's shape)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` for an HTTP status."""
     typ = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")

@@ -64,6 +64,8 @@ async def cache_warm(body: P.WarmRequest, request: Request, tenant: Tenant = Dep
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
+            if await request.is_disconnected():  # each submission waits for an engine step
+                return Response(status_code=CLIENT_CLOSED)
             streams.append(await submit(state, ids, params, f"warm-{uuid.uuid4().hex}", tenant, None,
                                         f"{param}[{i}]"))
         outs = []

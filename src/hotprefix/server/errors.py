@@ -1,4 +1,5 @@
-"""Every error as OpenAI-style JSON ``{"error": {message, type, param, code}}``.
+"""Every error as OpenAI-style JSON ``{"error": {message, type, param, code}}`` (Anthropic's shape
+under ``/v1/messages``: its route answers its own errors, and ``shaped_body`` those raised before it).
 
 ``install(app)`` registers the handlers: ``APIError`` as raised, pydantic validation errors as 400s
 naming the parameter, 404/405/413 from routing and the body limit, anything else a logged 500.
@@ -21,6 +22,7 @@ from hotprefix.engine.async_engine import EngineStopped, QueueFull
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.engine.scheduler import RequestRejected
 from hotprefix.sampling import SamplingError
+from hotprefix.server import anthropic_protocol as A
 from hotprefix.server.limits import CODE as TOO_LARGE_CODE
 from hotprefix.server.protocol import APIError, error_body
 
@@ -61,8 +63,13 @@ def validation_message(err: dict[str, Any], param: str | None) -> str:
 def describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
     """``(message, param, code)`` for a request that failed validation (a route's API shapes it)."""
     errors = exc.errors()
-    # a value error (a lone surrogate, say) names its field more precisely than a union's tags
-    err = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
+    # a value error (a lone surrogate, say) names its field more precisely than a union's tags;
+    # else the error deepest in the body: a list given for ``str | list[...]`` fails both
+    # branches, and the list's (``stop[1]``, ``messages[0].content[0].type``) says where
+    depth = [len((param_from_loc(tuple(e.get("loc", ()))) or "").replace("[", ".").split("."))
+             for e in errors]
+    err = next((e for e in errors if e.get("type") == "value_error"),
+               errors[depth.index(max(depth))] if errors else {})
     invalid_json = err.get("type") == "json_invalid"
     param = None if invalid_json else param_from_loc(tuple(err.get("loc", ())))
     return validation_message(err, param), param, "invalid_json" if invalid_json else None
@@ -92,6 +99,14 @@ def engine_error(out: RequestOutput) -> APIError:
                     type="server_error", code="engine_error")
 
 
+def shaped_body(path: str, status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """An error raised before a route runs (no such route or method, a body over the limit) in
+    the shape of the API at ``path``: Anthropic's under ``/v1/messages``, else OpenAI's."""
+    if A.is_messages_path(path):
+        return A.error_body(status, message)
+    return error_body(message, code=code)
+
+
 def install(app: FastAPI, count_rejected) -> None:
     """Register the error handlers; ``count_rejected(status)`` is called for each refused request."""
 
@@ -118,8 +133,8 @@ def install(app: FastAPI, count_rejected) -> None:
             msg, code = str(exc.detail), TOO_LARGE_CODE
         else:
             msg, code = str(exc.detail), None
-        return JSONResponse(error_body(msg, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(shaped_body(request.url.path, exc.status_code, msg, code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

@@ -34,23 +34,27 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, _message(max_bytes))
 
 
-def _error(max_bytes: int) -> bytes:
-    return json.dumps({"error": {"message": _message(max_bytes), "type": "invalid_request_error",
-                                 "param": None, "code": CODE}}).encode()
+def _openai_shape(path: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": CODE}}
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``max_bytes``; ``on_reject()`` is called for each."""
+    """ASGI middleware: 413 for bodies over ``max_bytes``; ``on_reject()`` is called for each.
+    ``shape(path, message)``: the error's JSON for the route at ``path`` (each API its own shape;
+    OpenAI's by default)."""
 
-    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[], None] | None = None):
+    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[], None] | None = None,
+                 shape: Callable[[str, str], dict[str, Any]] = _openai_shape):
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.shape = shape
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
         if self.on_reject is not None:
             self.on_reject()
-        body = _error(self.max_bytes)
+        body = json.dumps(self.shape(scope.get("path", ""), _message(self.max_bytes))).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
@@ -68,7 +72,7 @@ class BodyLimit:
                 except ValueError:
                     declared = 0
                 if declared > self.max_bytes:
-                    await self._reject(send)
+                    await self._reject(scope, send)
                     return
         seen = 0
         started = False
@@ -92,4 +96,4 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(scope, send)

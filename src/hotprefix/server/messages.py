@@ -103,8 +103,11 @@ def sampling(body: A.MessagesRequest) -> SamplingParams:
                               top_k=-1 if body.top_k is None else body.top_k,
                               max_tokens=body.max_tokens, stop=body.stop_sequences or None)
     except SamplingError as e:
+        message = str(e)
+        if e.param == "stop":  # the engine's name for what this API calls stop_sequences
+            message = "stop_sequences" + message.removeprefix("stop")
         param = {"stop": "stop_sequences"}.get(e.param or "", e.param)
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, message, param=param) from None
 
 
 async def matched_stop(state: ServerState, body: A.MessagesRequest, out: RequestOutput) -> str | None:
@@ -136,7 +139,7 @@ def message_json(state: ServerState, rid: str, content: list[dict[str, Any]], st
             "usage": u}
 
 
-@router.post("/v1/messages")
+@router.post(A.MESSAGES_PATH)
 async def messages(body: A.MessagesRequest, request: Request,
                    tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
     check_model(state, body.model)
