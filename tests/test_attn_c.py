@@ -181,11 +181,10 @@ def test_decodes_sharing_a_prefix_are_attended_together_with_each_rows_bits():
     assert (out[:1].double() - ref).abs().max().item() < 2e-5
 
 
-def test_a_build_without_avx512_gives_the_same_bits(tmp_path):
-    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``) against this build, both
-    on their default (non-portable) path: decodes (whose vector path reads K and V from the pool
-    itself) and a prefill, in bf16 and fp32 pools. Guards the paths' split: a build without the
-    vector path must still load each chunk for the scalar one."""
+@pytest.fixture(scope="module")
+def plain_lib(tmp_path_factory):
+    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): their portable paths
+    as the default ones."""
     import ctypes
     import platform
     import shutil
@@ -194,11 +193,18 @@ def test_a_build_without_avx512_gives_the_same_bits(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs an x86-64 C compiler")
-    so = tmp_path / "plain.so"
+    so = tmp_path_factory.mktemp("plain") / "plain.so"
     flags = [f for f in fused.CFLAGS if f != "-march=native"] + ["-march=x86-64-v2"]
     subprocess.run([cc, *flags, "-o", str(so), *map(str, fused.SOURCES), "-lm"], check=True,
                    capture_output=True)
-    plain_lib = fused.bind(ctypes.CDLL(str(so)))
+    return fused.bind(ctypes.CDLL(str(so)))
+
+
+def test_a_build_without_avx512_gives_the_same_bits(plain_lib):
+    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``) against this build, both
+    on their default (non-portable) path: decodes (whose vector path reads K and V from the pool
+    itself) and a prefill, in bf16 and fp32 pools. Guards the paths' split: a build without the
+    vector path must still load each chunk for the scalar one."""
     for pool_dtype in (torch.bfloat16, torch.float32):
         ops, k, v, g = _setup(9, 3, 64, 16, pool_dtype, seed=3)
         plain_ops = fused.FusedOps(plain_lib, 1e-5, 9, 3, 64)
@@ -210,3 +216,20 @@ def test_a_build_without_avx512_gives_the_same_bits(tmp_path):
         qp = torch.randn(40, 9, 64, generator=g)
         meta = _prefill_meta(tables[0], 300, 40, 16)
         assert torch.equal(_run(plain_ops, k, v, qp, meta), _run(ops, k, v, qp, meta))
+
+
+def test_a_build_without_avx512_selects_the_same_logits(plain_lib):
+    """The logits' top-k and argmax (``select.c``) of the plain build against this build's vector
+    paths, on rows with ties, NaN, infinities and lengths around the vector width."""
+    ops = fused.FusedOps(fused.library(), 1e-5, 9, 3, 64)
+    plain = fused.FusedOps(plain_lib, 1e-5, 9, 3, 64)
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 15, 16, 17, 100, 4099):
+        x = torch.randint(-4, 5, (6, n), generator=g).float()  # many equal values
+        x[1] = torch.randn(n, generator=g)
+        x[2, ::7] = float("nan")
+        x[3, ::5] = float("inf")
+        x[4, -1] = float("nan")
+        assert ops.argmax(x) == plain.argmax(x) == x.argmax(dim=-1).tolist(), n
+        k = min(32, n)
+        assert torch.equal(ops.top_k(x, k), plain.top_k(x, k)), n

@@ -190,3 +190,36 @@ def test_rope_kernel_refuses_positions_outside_its_tables(ops):
         ops.rope_write_kv(qkv, rope.cos, rope.sin, torch.tensor([3, 64, 5]), cache, cache.clone(),
                           torch.tensor([0, 1, 2]))
     assert not cache.view(-1, NKV, HD)[1].any()  # the out-of-range row wrote nothing
+
+
+def _ranked(row: list[float]) -> list[int]:
+    """Indices of a row, best first: a NaN above every number, then larger values, ties to the
+    lower index (``select.c``'s ranking)."""
+    return sorted(range(len(row)), key=lambda i: (row[i] == row[i], -row[i] if row[i] == row[i] else 0, i))
+
+
+def test_top_k_and_argmax_rank_like_torch_on_hostile_rows(ops):
+    """The logits' selections against a ranking in Python and torch.argmax: equal values, NaN,
+    infinities, signed zeros, rows shorter than a vector and k = n; each row's answer is the same
+    alone and batched (the refine and greedy sampling take them)."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(120):
+        rows, n = 1 + trial % 7, [1, 5, 16, 31, 33, 64, 250, 1000][trial % 8]
+        x = (torch.randint(-3, 4, (rows, n), generator=g).float() if trial % 2
+             else torch.randn(rows, n, generator=g))
+        if trial % 3 == 0:
+            x[torch.rand(rows, n, generator=g) < 0.05] = float("nan")
+        if trial % 5 == 0:
+            x[torch.rand(rows, n, generator=g) < 0.1] = float("inf")
+        if trial % 4 == 0:
+            x[torch.rand(rows, n, generator=g) < 0.3] = -0.0
+        assert ops.argmax(x) == x.argmax(dim=-1).tolist(), trial
+        k = min(32, n)
+        top = ops.top_k(x, k)
+        for r in range(rows):
+            assert top[r].tolist() == _ranked(x[r].tolist())[:k], (trial, r)
+            assert torch.equal(ops.top_k(x[r:r + 1].clone(), k)[0], top[r])
+        if not torch.isnan(x).any():  # torch's topk picks the same values
+            assert torch.equal(torch.gather(x, 1, top), x.topk(k, dim=-1).values)
+    with pytest.raises(ValueError, match="top-k"):
+        ops.top_k(torch.zeros(2, 10), 11)

@@ -137,7 +137,8 @@ class ModelRunner:
         if not owners:
             return {}
         reqs = [c.request for c in owners]
-        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                      self.model.argmax)
         return {r.request_id: t for r, t in zip(reqs, toks)}
 
     def forward_logits(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]):

@@ -10,7 +10,8 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 - ``silu_mul``: SiLU(gate) * up;
 - ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 pool into fp32 for attention.
 
-``attn.c`` is attention itself, read straight from the pool (``attention``).
+``attn.c`` is attention itself, read straight from the pool (``attention``); ``select.c`` the
+logits' top k (refined in fp32) and argmax (greedy sampling).
 
 Their arithmetic is row-local and in a fixed order (fixed lanes, a fixed combining tree, no FMA
 contraction), so a row's bits never depend on how many rows share the call, the thread count or the
@@ -43,9 +44,10 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("fused.c", "qgemm.c", "qlayer.c", "attn.c")]
-"""The elementwise kernels, attention, and the ``gguf`` weight mode's GEMM and layer calls
-(``qlinear.py``)."""
+SOURCES = [Path(__file__).with_name(f)
+           for f in ("fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
+"""The elementwise kernels, attention, the ``gguf`` weight mode's GEMM and layer calls
+(``qlinear.py``), and the logits' top-k and argmax."""
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
           "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
@@ -78,6 +80,8 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _F, _P,
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
+    "select_top_k": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
+    "select_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
     "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, _I,
                    _I, _P, _I, _P, _P, _F, ctypes.c_int], _I),
     "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
@@ -204,6 +208,23 @@ class FusedOps:
                                   self.threads(), int(portable))
         check_attention(err, "attention scratch")
         return out
+
+    def top_k(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """The indices [rows, k] of each row's k largest logits (contiguous fp32 [rows, n]), best
+        first; ties go to the lower index and a NaN ranks above every number (``select.c``)."""
+        rows, n = logits.shape
+        idx = torch.empty(rows, k, dtype=torch.int64)
+        if self.lib.select_top_k(logits.data_ptr(), rows, n, k, idx.data_ptr(), self.threads()):
+            raise ValueError(f"top-k of {k} over rows of {n}: k must be in [1, min(n, 64)]")
+        return idx
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax (contiguous fp32 [rows, n], n >= 1), as ``torch.argmax``: the first
+        index of the largest value, or of the first NaN."""
+        rows, n = logits.shape
+        idx = torch.empty(rows, dtype=torch.int64)
+        self.lib.select_argmax(logits.data_ptr(), rows, n, idx.data_ptr(), self.threads())
+        return idx.tolist()
 
 
 def check_attention(err: int, what: str) -> None:

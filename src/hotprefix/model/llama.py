@@ -249,10 +249,19 @@ class LlamaModel:
         if self.head32 is not None:
             # a bf16 logit is rounded to 8 bits (1/16 at 10): near-ties flip the argmax. The top
             # candidates are recomputed in fp32 (row-local products and fixed-length sums)
-            top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1).indices
+            k = min(REFINE_TOP_K, logits.shape[-1])
+            top = (self.fused.top_k(logits.contiguous(), k) if self.fused is not None
+                   else logits.topk(k, dim=-1).indices)
             exact = (self.head32[top] * h.unsqueeze(1)).sum(-1)
             logits.scatter_(1, top, exact)
         return logits
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax (greedy sampling): the C kernel where it runs, else torch's, with the
+        same answer (the first index of the largest value, or of the first NaN)."""
+        if self.fused is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self.fused.argmax(logits.contiguous())
+        return logits.argmax(dim=-1).tolist()
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, n_real: int) -> torch.Tensor:
