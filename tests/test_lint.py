@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,10 @@ def only(report: lint.Report, kind: str | None = None) -> lint.Finding:
     ("commit 9fceb02d0ae598e95dc970b74767f19372d61af8", "hex_id",
      "9fceb02d0ae598e95dc970b74767f19372d61af8"),
     ("trace-id: 4bf92f3577b34da6a3ce929d0e0e4736", "hex_id", "4bf92f3577b34da6a3ce929d0e0e4736"),
+    ("Request 0x7f3a9c2b11d4e8aa.", "hex_id", "0x7f3a9c2b11d4e8aa"),
+    ("日付: 2026年11月29日 13時47分 です", "timestamp", "2026年11月29日 13時47分"),
+    ("今天是2026年11月29日。", "date", "2026年11月29日"),
+    ("오늘은 2026년 11월 29일 13시 47분입니다", "timestamp", "2026년 11월 29일 13시 47분"),
     ("handling req_8f3a2b1c9d now", "request_id", "req_8f3a2b1c9d"),
     ("Request ID: AB-20491", "request_id", "AB-20491"),
     ("session_id=s93kd02", "request_id", "s93kd02"),
@@ -99,6 +104,8 @@ def test_detector_finds_exactly(text: str, kind: str, volatile: str) -> None:
     "Document:\n{{ document }}\nQuestion: {question}",
     'Return JSON like {"id": 1, "name": "x"} and never a list.',
     "The ratio is 16:9 and the score 3:1.",
+    "Mask the flags with 0xFF and 0x10.",
+    "2026年版のガイドに従ってください。",
 ])
 def test_detector_ignores_stable_text(text: str) -> None:
     assert find_volatile(text) == []
@@ -219,6 +226,14 @@ def test_block_size_changes_block_and_cost(gguf_tok: Tokenizer) -> None:
     assert (f.token, f.block, f.tokens_lost, f.blocks_lost) == (16, 4, 61, 19 - 4)
 
 
+def test_no_cost_where_no_full_block_starts(gguf_tok: Tokenizer) -> None:
+    """A block size larger than the prompt: its volatile text is still found, but no full block
+    (the only thing the cache keeps) is lost, and the message says so instead of a cost."""
+    f = only(lint_files([d("trap_system_timestamp.json")], gguf_tok, 4096))
+    assert (f.block, f.tokens_lost, f.blocks_lost) == (0, 0, 0)
+    assert "no full block of 4096 tokens starts there" in f.message
+
+
 def test_json_positions_walk_escapes(gguf_tok: Tokenizer, tmp_path: Path) -> None:
     p = tmp_path / "esc.json"
     # \u00e9 (6 raw chars, 1 char), a surrogate pair (12 raw, 1 char), \" and \n (2 raw, 1 char)
@@ -326,9 +341,14 @@ def test_cli_json_output(capsys: pytest.CaptureFixture[str], json_tok_path: str)
     (["--tokenizers", "a", "tests/data/lint/clean_rag.j2"], "required: FILE"),
     (["--tokenizer", "/nonexistent/tok.json", "tests/data/lint/clean_rag.j2"], "tokenizer source not found"),
     (["--tokenizer", "x", "--tokenizers", "a", "b", "tests/data/lint/clean_rag.j2"], "not allowed with"),
+    (["DEEP"], "nested too deeply to read"),
 ])
 def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], json_tok_path: str,
                                  argv: list[str], needle: str) -> None:
+    if argv == ["DEEP"]:  # JSON too deeply nested for the parsers: a usage error, not a crash
+        deep = Path(tempfile.mkdtemp()) / "deep.json"
+        deep.write_text('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}")
+        argv = [str(deep)]
     if argv and argv[0].endswith((".json", ".jsonl")):
         argv = ["--tokenizer", json_tok_path] + argv
     cwd = os.getcwd()

@@ -44,6 +44,52 @@ def test_warm_jsonl_and_usage_errors(srv, tmp_path, capsys):
     assert "invalid JSON" in capsys.readouterr().err
     assert warm_main([str(tmp_path / "missing.txt"), "--url", srv.url]) == 2
     assert warm_main([str(f), "--url", "http://127.0.0.1:9"]) == 1
+    capsys.readouterr()
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"prompt": "hi", "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    for argv, needle in [([str(empty)], "no prompts in"), ([str(deep)], "nested too deeply"),
+                         ([str(f), "--url", "http://[::1"], "--url"),
+                         ([str(f), "--timeout", "-1"], "positive number of seconds")]:
+        assert warm_main(argv + ([] if "--url" in argv else ["--url", srv.url])) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("status,ctype,body,needle", [
+    (200, "text/plain", b"OK", "not a warm answer (200): OK"),
+    (200, "application/json", b"[1, 2]", "not a warm answer (200): [1, 2]"),
+    (400, "application/json", b'{"error": "bad request"}', "server refused (400): bad request"),
+    (502, "application/json", b"<html>bad gateway</html>", "server refused (502): <html>bad gateway"),
+])
+def test_warm_reports_an_answer_it_cannot_read(tmp_path, capsys, status, ctype, body, needle):
+    """A proxy or another program answering on the port: warm says what came back, exit 1."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(status)
+            self.send_header("content-type", ctype)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        f = tmp_path / "sys.txt"
+        f.write_text("You are a helpful assistant.")
+        assert warm_main([str(f), "--url", f"http://127.0.0.1:{server.server_port}"]) == 1
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+    finally:
+        server.shutdown()
 
 
 def test_warm_reads_files_with_the_linters_readers(tmp_path):

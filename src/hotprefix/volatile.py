@@ -45,10 +45,16 @@ _DETECTORS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((k, re.compile(p)) f
     ("date", rf"\b(?:{_WEEKDAY},?\s+)?{_MONTH}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{4}}\b"),
     ("date", rf"\b(?:{_WEEKDAY},?\s+)?\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH}\.?,?\s+\d{{4}}\b"),
     ("date", rf"\b(?:[Tt]oday is|[Ii]t is)\s+(?P<v>{_WEEKDAY_FULL})\b"),
+    # CJK dates (2026年11月29日, 2026년 11월 29일) and times (13時47分, 13시 47분)
+    ("timestamp", r"(?<!\d)\d{4}\s*[年년]\s*\d{1,2}\s*[月월]\s*\d{1,2}\s*[日일]\s*\d{1,2}\s*"
+                  r"[時时시:]\s*\d{1,2}(?:\s*[分분])?(?:\s*\d{1,2}\s*[秒초])?"),
+    ("date", r"(?<!\d)\d{4}\s*[年년]\s*\d{1,2}\s*[月월]\s*\d{1,2}\s*[日일]"),
+    ("timestamp", r"(?<!\d)\d{1,2}\s*[時时시]\s*\d{1,2}\s*[分분](?:\s*\d{1,2}\s*[秒초])?"),
     # clock times
     ("timestamp", r"(?<![\d:])\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?(?![\d:])"),
     ("timestamp", r"(?<![\d:])\d{1,2}:\d{2}\s*[AaPp]\.?[Mm]\b\.?"),
     # ids
+    ("hex_id", r"(?<![0-9A-Za-z_])0[xX][0-9a-fA-F]{8,}(?![0-9A-Za-z_])"),  # a pointer, an id
     ("hex_id", r"(?<![0-9A-Za-z_])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}"
                r"(?![0-9A-Za-z_])"),
     ("request_id", r"\b(?:req|request|trace|span|sess|session|msg|chatcmpl|cmpl|run|conv|txn|evt|"

@@ -51,12 +51,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--url", default=f"http://{d.host}:{d.port}", help="the server (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="API key (default: $OPENAI_API_KEY); warms that key's tenant")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="seconds (default: %(default)s)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
     import httpx
+
+    try:
+        url = httpx.URL(args.url.rstrip("/") + "/v1/cache/warm")
+    except httpx.InvalidURL as e:
+        print(f"hotprefix warm: error: --url {args.url!r}: {e}", file=sys.stderr)
+        return 2
 
     prompts: list[str] = []
     convs: list[list[dict[str, Any]]] = []
@@ -68,21 +74,55 @@ def main(argv: list[str]) -> int:
     except LintUsageError as e:
         print(f"hotprefix warm: error: {e}", file=sys.stderr)
         return 2
+    if not prompts and not convs:
+        print(f"hotprefix warm: error: no prompts in {', '.join(args.files)}", file=sys.stderr)
+        return 2
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     status = 0
     for body in ([{"prompts": prompts}] if prompts else []) + ([{"messages": convs}] if convs else []):
         try:
-            r = httpx.post(args.url.rstrip("/") + "/v1/cache/warm", json=body, headers=headers,
-                           timeout=args.timeout)
+            r = httpx.post(url, json=body, headers=headers, timeout=args.timeout)
         except httpx.HTTPError as e:
             print(f"hotprefix warm: error: cannot reach {args.url}: {e}", file=sys.stderr)
             return 1
-        if r.status_code != 200:
-            msg = r.json().get("error", {}).get("message", r.text) if r.headers.get(
-                "content-type", "").startswith("application/json") else r.text
-            print(f"hotprefix warm: server refused ({r.status_code}): {msg}", file=sys.stderr)
+        answer = _json(r)
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if r.status_code != 200 or not isinstance(data, list):
+            what = "server refused" if r.status_code != 200 else "not a warm answer"
+            print(f"hotprefix warm: {what} ({r.status_code}): {_error_text(r, answer)}",
+                  file=sys.stderr)
             status = 1
             continue
-        for item in r.json().get("data", []):
+        for item in data:
             print(json.dumps(item))
     return status
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
+
+
+def _json(r: Any) -> Any:
+    """The response's JSON, or None when it is not JSON."""
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+def _error_text(r: Any, answer: Any) -> str:
+    """What the server said: an OpenAI-style error's message, else the body's start."""
+    err = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    if isinstance(err, str):
+        return err
+    text = r.text.strip()
+    return (text[:300] + "...") if len(text) > 300 else text or "(empty answer)"

@@ -13,7 +13,7 @@ import difflib
 from typing import Any, Sequence
 
 from hotprefix.lint.rendering import Prompt, render, token_index
-from hotprefix.lint.report import Finding, Report, blocks, by_kind, cost, short
+from hotprefix.lint.report import Finding, Report, blocks, by_kind, cost, cost_words, short
 from hotprefix.lint.samples import Field, Sample
 from hotprefix.lint.sources import load_samples
 from hotprefix.textutil import common_prefix_len
@@ -79,7 +79,7 @@ def volatile_findings(prompt: Prompt, tok: Tokenizer, block_size: int) -> list[F
             field=fld.path if fld is not None else "chat_template", text=m.text, token=token,
             block=block, tokens_lost=lost, blocks_lost=blocks_lost,
             message=(f'{m.kind} "{short(m.text)}" in {_where(fld, sample)} at token {token} '
-                     f"(block {block}): costs {lost:,} tokens of reuse per request"),
+                     + cost_words(block, lost, block_size)),
             details={"evaluates_to": m.cause} if m.cause else {},
         ))
     return findings

@@ -47,9 +47,19 @@ class Finding:
 
 
 def cost(num_tokens: int, token: int, block_size: int) -> tuple[int, int, int]:
-    """``(block, tokens_lost, blocks_lost)`` of a change at ``token`` of a ``num_tokens`` prompt."""
+    """``(block, tokens_lost, blocks_lost)`` of a change at ``token`` of a ``num_tokens`` prompt:
+    nothing is lost when no full block starts there (a partial block is never cached)."""
     block = token // block_size
-    return block, num_tokens - block * block_size, max(0, num_tokens // block_size - block)
+    blocks_lost = max(0, num_tokens // block_size - block)
+    return block, num_tokens - block * block_size if blocks_lost else 0, blocks_lost
+
+
+def cost_words(block: int, lost: int, block_size: int) -> str:
+    """How a finding's cost reads: its block and the tokens of reuse it costs."""
+    if not lost:
+        return (f"(block {block}): no full block of {block_size} tokens starts there, so no reuse "
+                "is lost at this block size")
+    return f"(block {block}): costs {lost:,} tokens of reuse per request"
 
 
 def blocks(n: int) -> str:

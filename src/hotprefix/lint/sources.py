@@ -140,9 +140,17 @@ def load_samples(path: str) -> list[Sample]:
     """Read one input file into samples.
 
     Raises:
-        LintUsageError: the file is missing or unreadable, its JSON (or Python) is invalid, or a
-            JSON value is not a request.
+        LintUsageError: the file is missing or unreadable, its JSON (or Python) is invalid or
+            nested too deeply to read, or a JSON value is not a request.
     """
+    try:
+        return _load_samples(path)
+    except RecursionError:
+        raise LintUsageError(f"{path}: nested too deeply to read (JSON arrays or objects, or "
+                             "source code, thousands of levels deep)") from None
+
+
+def _load_samples(path: str) -> list[Sample]:
     src = read_source(path)
     raw, lower = src.raw, path.lower()
     if lower.endswith(JSONL_SUFFIXES):
