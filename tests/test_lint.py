@@ -330,6 +330,7 @@ def test_cli_json_output(capsys: pytest.CaptureFixture[str], json_tok_path: str)
 
 @pytest.mark.parametrize("argv,needle", [
     (["tests/data/lint/no_such_file.txt"], "no such file"),
+    (["tests/data/lint"], "tests/data/lint: a directory; name the files"),
     (["tests/data/lint/bad.json"], "bad.json:2:1: invalid JSON"),
     (["tests/data/lint/bad_line.jsonl"], "bad_line.jsonl:2:10: invalid JSON"),
     (["tests/data/lint/not_a_request.json"], "not a request"),

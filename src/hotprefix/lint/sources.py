@@ -122,6 +122,8 @@ def read_source(path: str) -> SourceFile:
     Raises:
         LintUsageError: it is missing, unreadable or not UTF-8.
     """
+    if os.path.isdir(path):
+        raise LintUsageError(f"{path}: a directory; name the files (e.g. {path.rstrip('/')}/*.json)")
     if not os.path.isfile(path):
         raise LintUsageError(f"{path}: no such file")
     try:
