@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import NoReturn
 
@@ -19,6 +18,7 @@ from hotprefix.lint.checks import lint_files
 from hotprefix.lint.drift import check_drift
 from hotprefix.lint.report import format_human
 from hotprefix.lint.samples import LintUsageError
+from hotprefix.lint.sources import check_input_file
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         for path in args.files:  # fail on a missing input before spending seconds on a tokenizer
-            if not os.path.isfile(path):
-                raise LintUsageError(f"{path}: no such file")
+            check_input_file(path)
         if args.tokenizers:
             tok_a, tok_b = (_load_tokenizer(p) for p in args.tokenizers)
             report = check_drift(args.files, tok_a, tok_b, args.block_size)

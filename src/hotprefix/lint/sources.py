@@ -116,16 +116,21 @@ def samples_from_value(obj: Any, src: SourceFile, where: str, prefix: str = "") 
                          "or `system`")
 
 
+def check_input_file(path: str) -> None:
+    """Raise LintUsageError unless ``path`` is a file (a directory says so)."""
+    if os.path.isdir(path):
+        raise LintUsageError(f"{path}: a directory; name the files (e.g. {path.rstrip('/')}/*.json)")
+    if not os.path.isfile(path):
+        raise LintUsageError(f"{path}: no such file")
+
+
 def read_source(path: str) -> SourceFile:
     """The file's text.
 
     Raises:
         LintUsageError: it is missing, unreadable or not UTF-8.
     """
-    if os.path.isdir(path):
-        raise LintUsageError(f"{path}: a directory; name the files (e.g. {path.rstrip('/')}/*.json)")
-    if not os.path.isfile(path):
-        raise LintUsageError(f"{path}: no such file")
+    check_input_file(path)
     try:
         with open(path, encoding="utf-8") as f:
             return SourceFile(path, f.read())
