@@ -422,6 +422,129 @@ def test_cli_sweep_writes_plot_json_and_sizing(tmp_path, capsys):
     assert "--kv-cache-memory" in text
 
 
+def _exit_2(argv, capsys) -> str:
+    """Run ``simulate argv``; assert exit status 2 (returned, or argparse's); return stderr."""
+    try:
+        rc = sim.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}'
+
+
+@pytest.mark.parametrize("line, says", [
+    ("[1, 2, 3]", "must be a JSON object, got list"),
+    ("5", "must be a JSON object, got int"),
+    ("null", "must be a JSON object, got null"),
+    ('{"timestamp": 0, "input_length": 100, "hash_ids": null}', "field 'hash_ids' must be a list"),
+    ('{"timestamp": 0, "input_length": 100, "hash_ids": 5}', "field 'hash_ids' must be a list"),
+    ('{"timestamp": 0, "input_length": 100, "hash_ids": ["a"]}', "field 'hash_ids[0]' must be an integer"),
+    ('{"timestamp": null, "input_length": 100, "hash_ids": [1]}', "field 'timestamp' must be a number"),
+    ('{"timestamp": NaN, "input_length": 100, "hash_ids": [1]}', "field 'timestamp' must be a finite"),
+    ('{"timestamp": Infinity, "input_length": 100, "hash_ids": [1]}', "field 'timestamp' must be a finite"),
+    ('{"timestamp": 0, "input_length": null, "hash_ids": [1]}', "field 'input_length' must be an integer"),
+    ('{"timestamp": 0, "input_length": -900, "hash_ids": [1]}', "field 'input_length' must be >= 0"),
+    ('{"timestamp": 0, "input_length": 100, "output_length": -1, "hash_ids": [1]}',
+     "field 'output_length' must be >= 0"),
+    ('{"timestamp": 0, "hash_ids": [1, 2]}', "missing field 'input_length'"),
+    ('{"timestamp": 0, "input_length": 100, "hash_ids": [1], "priority": null}',
+     "field 'priority' must be an integer"),
+    ('{"timestamp": 0, "input_length": 100, "hash_ids": [1], "ttl_s": -5}', "field 'ttl_s' must be >= 0"),
+    ('{"token_ids": 5}', "field 'token_ids' must be a list"),
+    ('{"token_ids": "abc"}', "field 'token_ids' must be a list"),
+    ('{"block_keys": [1], "num_prompt_tokens": 16}', "field 'block_keys[0]' must be a hex string"),
+    ('{"block_keys": ["00ff"], "num_prompt_tokens": -1}', "field 'num_prompt_tokens' must be >= 0"),
+    ('{"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]', "not valid JSON (Expecting ',' "
+                                                                  "delimiter at column 58)"),
+])
+def test_a_bad_trace_line_is_named_by_file_line_and_field(tmp_path, capsys, line, says):
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{GOOD_LINE}\n\n{line}\n{GOOD_LINE}\n")  # the bad line is line 3 (blank lines count)
+    err = _exit_2([str(p), "--capacity-tokens", "10000"], capsys)
+    assert err.startswith(f"hotprefix simulate: error: {p}:3: ") and says in err, err
+    with pytest.raises(ValueError, match=f"^{p}:3: "):
+        sim.load_trace(str(p), 16)
+
+
+@pytest.mark.parametrize("content", [b"timestamp,ContextTokens,GeneratedTokens\n2023,374,44\n",
+                                     b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xab\xae\x05\x00\n"])
+def test_a_first_line_not_json_says_the_simulator_reads_jsonl(tmp_path, capsys, content):
+    p = tmp_path / "t.csv"
+    p.write_bytes(content)
+    err = _exit_2([str(p), "--capacity-tokens", "10000"], capsys)
+    assert f"{p}:1: not valid JSON (" in err
+    assert "reads JSONL traces" in err and "Mooncake" in err and "CSV and gzip" in err
+
+
+def test_limit_replays_the_first_n_requests(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{GOOD_LINE}\n{GOOD_LINE}\n")
+    assert [len(sim.load_trace(str(p), 16, n)) for n in (0, 1, 2, 5, None)] == [0, 1, 2, 2, 2]
+    assert sim.main([str(p), "--capacity-tokens", "10000", "--limit", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 1
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--block-size", "0"), ("--block-size", "-16"), ("--limit", "0"), ("--limit", "-1"),
+    ("--points", "0"), ("--points", "1"), ("--points", "-3"), ("--capacity-tokens", "0"),
+    ("--admission-tail-tokens", "-1"), ("--bytes-per-token", "0"),
+])
+def test_nonsense_numbers_are_refused_at_parsing(tmp_path, capsys, flag, value):
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{GOOD_LINE}\n")
+    argv = [str(p)]
+    if flag in ("--points", "--bytes-per-token"):
+        argv += ["--sweep", "--out", str(tmp_path / "out")]
+    if flag != "--capacity-tokens" and "--sweep" not in argv:
+        argv += ["--capacity-tokens", "10000"]
+    err = _exit_2(argv + [flag, value], capsys)
+    assert f"argument {flag}: must be " in err and repr(value) in err
+
+
+def test_unusable_sweep_out_and_capacity_are_errors(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{GOOD_LINE}\n")
+    err = _exit_2([str(p), "--sweep", "--out", str(p), "--bytes-per-token", "1000"], capsys)
+    assert f"--out {p}: cannot make the output directory" in err
+    err = _exit_2([str(p), "--capacity-tokens", "15"], capsys)
+    assert "--capacity-tokens must hold at least one block (16 tokens)" in err
+
+
+@pytest.mark.parametrize("flags", [["--router", "round_robin"], ["--drop-events", "0.9"],
+                                   ["--tokens-per-second", "1000"], ["--prefill-weight", "2"]])
+def test_fleet_flags_without_replicas_are_errors(tmp_path, capsys, flags):
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{GOOD_LINE}\n")
+    err = _exit_2([str(p), "--capacity-tokens", "10000", *flags], capsys)
+    assert f"{flags[0]} needs --replicas" in err
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq", "min"])
+def test_a_huge_pool_allocates_only_what_the_trace_can_fill(policy):
+    """A capacity far beyond the trace's footprint replays with that footprint's blocks (not
+    10^14 of them) and gives the figures of a pool just large enough never to evict."""
+    from hotprefix.simulate.pool import pool_blocks
+
+    reqs = random_trace(8, n_req=150)
+    for i, r in enumerate(reqs):
+        r.timestamp, r.pin_ttl_s = float(i), 30.0 * (i % 3)
+    sizes = [-(-r.num_tokens // 16) for r in reqs]
+    distinct = len({k for ks in sim.request_keys(reqs, 16) for k in ks})
+    assert pool_blocks(reqs, 10**15, 16) == distinct + max(sizes) < sum(sizes)
+    enough = (sum(sizes) + max(sizes)) * 16  # below the cheap bound: a full pool of this size
+    assert pool_blocks(reqs, enough, 16) == enough // 16
+    huge = sim.replay(reqs, 10**15, policy, 16, admission_tail_tokens=48, keep_per_request=True)
+    ref = sim.replay(reqs, enough, policy, 16, admission_tail_tokens=48, keep_per_request=True)
+    assert huge.per_request_hits == ref.per_request_hits and huge.hit_blocks > 0
+    assert (huge.evictions, huge.written_blocks, huge.truncated_requests) == (0, ref.written_blocks, 0)
+    assert huge.to_json()["num_blocks"] == 10**15 // 16
+
+
 def test_default_model_bytes_per_token():
     try:
         assert sim.model_bytes_per_token(None, 4) == 46080

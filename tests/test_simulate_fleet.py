@@ -113,6 +113,72 @@ def test_cli_json_per_replica_and_imbalance(tmp_path, capsys):
     assert cli_main(["simulate", str(p), "--replicas", "2", "--block-size", "512"]) == 2
 
 
+def _exit_2(argv, capsys) -> str:
+    """Run ``hotprefix simulate``; assert exit status 2 (returned, or argparse's); return stderr."""
+    try:
+        rc = sim.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_an_empty_trace_gives_an_empty_fleet_result(tmp_path, capsys):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    assert sim.main([str(p), "--capacity-tokens", "1000", "--replicas", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 0 and out["block_hit_ratio"] == 0.0 and out["load_imbalance"] == 1.0
+    assert [x["requests"] for x in out["per_replica"]] == [0, 0]
+
+
+def test_admission_tail_applies_to_every_replica(tmp_path, capsys):
+    """A 1-replica fleet with --admission-tail-tokens replays like the single cache with it."""
+    p = tmp_path / "t.jsonl"
+    with open(p, "w") as f:
+        for i in range(20):
+            for rep in range(2):
+                f.write(json.dumps({"timestamp": (2 * i + rep) * 50, "input_length": 2048,
+                                    "hash_ids": [100 + i, 200 + i, 300 + i, 400 + i]}) + "\n")
+    ratio = {}
+    for tail in ([], ["--admission-tail-tokens", "512"]):
+        for fleet in ([], ["--replicas", "1"]):
+            argv = [str(p), "--capacity-tokens", "100000", "--block-size", "512", "--json"]
+            assert sim.main(argv + tail + fleet) == 0
+            ratio[bool(tail), bool(fleet)] = json.loads(capsys.readouterr().out)["block_hit_ratio"]
+    assert ratio[True, True] == ratio[True, False] == 0.125
+    assert ratio[False, True] == ratio[False, False] == 0.375
+    reqs = conversation_trace(seed=3)
+    one = replay_fleet(reqs, 1, 400 * BS, "round_robin", "lru", BS, admission_tail_tokens=3 * BS)
+    ref = sim.replay(reqs, 400 * BS, "lru", BS, admission_tail_tokens=3 * BS)
+    assert (one.hit_blocks, one.prompt_blocks) == (ref.hit_blocks, ref.prompt_blocks)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--tokens-per-second", "-100"), ("--tokens-per-second", "0"), ("--tokens-per-second", "nan"),
+    ("--prefill-weight", "nan"), ("--prefill-weight", "inf"), ("--prefill-weight", "-1"),
+    ("--drop-events", "nan"),
+])
+def test_nonsense_fleet_numbers_are_refused(tmp_path, capsys, flag, value):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n')
+    err = _exit_2([str(p), "--capacity-tokens", "4096", "--replicas", "2", flag, value], capsys)
+    assert f"argument {flag}: must be a finite number" in err
+
+
+def test_a_huge_pool_per_replica_replays_like_one_that_holds_everything():
+    reqs = conversation_trace(seed=4)
+    enough = sum(-(-r.num_tokens // BS) for r in reqs) * 2 * BS
+    for router in ("prefix", "round_robin"):
+        huge = replay_fleet(reqs, 3, 10**15, router, "freq", BS).to_json()
+        ref = replay_fleet(reqs, 3, enough, router, "freq", BS).to_json()
+        for k in ("block_hit_ratio", "per_replica", "evictions", "events_sent", "decisions"):
+            assert huge[k] == ref[k], k
+        assert huge["capacity_tokens"] == 10**15 and huge["hit_blocks"] > 0
+
+
 def test_the_fleet_router_and_events_recorder_import_no_torch():
     import subprocess
     import sys

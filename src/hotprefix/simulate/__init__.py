@@ -6,12 +6,13 @@ What it holds, one concern a module:
                         synthetic token ids for traces of ids, so the real cache hashes every request
   * ``replay``          one request at a time through the real ``KVCacheManager`` / ``BlockPool``;
                         ``SimResult``; the infinite-cache ``ceiling``
+  * ``pool``            the replay's ``BlockPool``, never larger than the trace can fill
   * ``tier``            a simulated LRU store below the pool (``--kv-store-capacity-tokens``)
   * ``min_policy``      Belady's MIN (offline, given each key's next use) as a pool eviction policy
   * ``stack_distance``  LRU hits at every capacity in one pass (Mattson stack distances)
   * ``sweep``           the miss-ratio curve over capacities, per policy, MIN and the ceiling
   * ``sizing``/``plot`` the smallest pool that reaches a target, and the curve as a PNG
-  * ``cli``             the command's arguments and output
+  * ``cli``             the command's arguments and output (``argtypes``: its numeric flags)
 
 What it does not know: tensors, models and tokenizers. Every request's tokens are hashed by the
 manager under a fixed simulator namespace, with the cheap ``fast`` hash; bytes per token for the

@@ -24,6 +24,7 @@ from hotprefix.cache.eviction import POLICIES
 from hotprefix.config import CacheConfig
 from hotprefix.model.metadata import ModelLoadError, kv_bytes_per_token
 from hotprefix.simulate import fleet_cli, traces
+from hotprefix.simulate.argtypes import int_at_least, non_negative_int, positive_int
 from hotprefix.simulate.plot import plot_mrc
 from hotprefix.simulate.replay import ceiling, default_policy, replay
 from hotprefix.simulate.sizing import format_bytes, smallest_capacity
@@ -37,29 +38,32 @@ CEILING_NAMES = ("ceiling", "inf", "infinite")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's arguments, on ``p`` (its own parser or a ``hotprefix`` subcommand)."""
     p.add_argument("trace", help="JSONL trace: Mooncake hash_ids, hotprefix request log, or token_ids")
-    p.add_argument("--capacity-tokens", type=int, default=None,
+    p.add_argument("--capacity-tokens", type=positive_int, default=None,
                    help="KV pool capacity in tokens (required unless --sweep)")
     p.add_argument("--policy", default=None,
                    help=f"eviction policy: {', '.join(sorted(POLICIES))}, min (Belady) or ceiling; "
                         f"default: the engine's ({default_policy()}); with --sweep a comma list")
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+    p.add_argument("--block-size", type=positive_int, default=CacheConfig.block_size,
                    help="tokens per block (512 replays Mooncake ids whole: much faster)")
-    p.add_argument("--admission-tail-tokens", type=int, default=None,
+    p.add_argument("--admission-tail-tokens", type=non_negative_int, default=None,
                    help="cache the tail past this many prompt tokens only for a prefix seen before")
-    p.add_argument("--kv-store-capacity-tokens", type=int, default=None,
+    p.add_argument("--kv-store-capacity-tokens", type=positive_int, default=None,
                    help="add a simulated LRU store tier of this many tokens below the pool: every "
                         "block the pool caches is written to it, a pool miss it holds is loaded "
                         "from it; the output gives hits by tier")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                   help="replay only the first N requests (N >= 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="miss-ratio curve: capacities up to the ceiling")
     p.add_argument("--out", default=".", help="--sweep: directory for mrc.png and mrc.json")
-    p.add_argument("--points", type=int, default=12, help="--sweep: number of capacities")
+    p.add_argument("--points", type=int_at_least(2), default=12,
+                   help="--sweep: number of capacities (>= 2)")
     p.add_argument("--target", type=float, default=0.9,
                    help="--sweep: sizing advice for this fraction of the ceiling")
     p.add_argument("--model", default=None, help="--sweep: model whose KV bytes/token size the pool")
-    p.add_argument("--dtype-bytes", type=int, default=4, help="--sweep: bytes per KV element (4 = fp32)")
-    p.add_argument("--bytes-per-token", type=int, default=None,
+    p.add_argument("--dtype-bytes", type=positive_int, default=4,
+                   help="--sweep: bytes per KV element (4 = fp32)")
+    p.add_argument("--bytes-per-token", type=positive_int, default=None,
                    help="--sweep: KV bytes per token (skips reading the model's metadata)")
     fleet_cli.add_arguments(p)
 
@@ -78,9 +82,14 @@ def _error(msg: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the command on parsed arguments. Returns the exit status (2: bad usage or trace)."""
+    if args.replicas is None and (flags := fleet_cli.flags_given(args)):
+        return _error(f"{', '.join(flags)} {'needs' if len(flags) == 1 else 'need'} --replicas "
+                      f"(they set up a fleet replay)")
     try:
         reqs = traces.load_trace(args.trace, args.block_size, args.limit)
-    except (OSError, ValueError, KeyError) as e:
+    except OSError as e:
+        return _error(f"{args.trace}: {e.strerror or e}")
+    except ValueError as e:
         return _error(str(e))
     if args.replicas is not None:
         return fleet_cli.run(args, reqs)
@@ -90,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
     if args.capacity_tokens is None:
         return _error("--capacity-tokens is required (or use --sweep)")
+    if args.capacity_tokens < args.block_size:
+        return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
     name = args.policy or default_policy()
     store = args.kv_store_capacity_tokens
     if store is not None and store < args.block_size:
@@ -130,7 +141,10 @@ def _run_sweep(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int
     for n in names:
         if n not in POLICIES:
             return _error(f"unknown policy {n!r}")
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        return _error(f"--out {args.out}: cannot make the output directory: {e.strerror or e}")
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     log(f"sweep over {len(reqs):,} requests, block size {args.block_size}")
     result = sweep(reqs, args.block_size, names, args.points,
@@ -149,10 +163,13 @@ def _run_sweep(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int
                         "kv_cache_memory_bytes": c * bpt if (c is not None and bpt) else None}
     result.update(bytes_per_token=bpt, target_fraction=args.target, target_hit_ratio=round(target, 6),
                   advice=advice, trace=os.path.basename(args.trace))
-    with open(os.path.join(args.out, "mrc.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    plot_mrc(result, os.path.join(args.out, "mrc.png"),
-             f"{os.path.basename(args.trace)} (block {args.block_size})")
+    try:
+        with open(os.path.join(args.out, "mrc.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        plot_mrc(result, os.path.join(args.out, "mrc.png"),
+                 f"{os.path.basename(args.trace)} (block {args.block_size})")
+    except OSError as e:
+        return _error(f"--out {args.out}: cannot write the results: {e}")
     log(f"ceiling {result['ceiling']:.4f}; target {args.target:.0%} of it = {target:.4f}")
     for name, a in advice.items():
         if a["capacity_tokens"] is None:

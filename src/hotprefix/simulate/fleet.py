@@ -24,13 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hotprefix.cache.block_pool import BlockPool
-from hotprefix.cache.eviction import make_policy
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.config import CacheConfig
 from hotprefix.events.recorder import PoolEventRecorder
 from hotprefix.router import Router, RouterConfig
+from hotprefix.simulate.pool import pool_blocks, sim_pool
 from hotprefix.simulate.traces import TraceRequest, sim_hasher
 
 TARGET_UTILIZATION = 0.8
@@ -123,7 +122,9 @@ class _Replica:
 def default_tokens_per_s(reqs: Sequence[TraceRequest], replicas: int) -> float:
     """A replica's speed at which the fleet would be ``TARGET_UTILIZATION`` busy with no hits
     (requests one second apart when the trace has no time span)."""
-    span = reqs[-1].timestamp - reqs[0].timestamp if reqs else 0.0
+    if not reqs:
+        return 1.0
+    span = reqs[-1].timestamp - reqs[0].timestamp
     if span <= 0:
         span = float(len(reqs))
     total = sum(r.num_prompt_tokens for r in reqs)
@@ -134,7 +135,7 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
                  router: str = "prefix", policy: str | None = None,
                  block_size: int = CacheConfig.block_size, drop_events: float = 0.0,
                  tokens_per_s: float | None = None, router_config: RouterConfig | None = None,
-                 seed: int = 0) -> FleetResult:
+                 seed: int = 0, admission_tail_tokens: int | None = None) -> FleetResult:
     """Replay ``reqs`` through ``replicas`` caches of ``capacity_tokens`` each, routed by ``router``.
 
     Args:
@@ -142,6 +143,7 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
         drop_events: share of KV events lost on their way to the router (``prefix`` only).
         tokens_per_s: a replica's prefill speed (the load model); None = ``default_tokens_per_s``.
         router_config: the router's settings (its ``policy`` is replaced by ``router``).
+        admission_tail_tokens: each replica's admission rule, as in ``replay``.
     Raises:
         ValueError: fewer than one replica, or a capacity below one block.
     """
@@ -149,9 +151,7 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
         raise ValueError("replicas must be >= 1")
     policy = policy or CacheConfig.eviction_policy
     bs = block_size
-    num_blocks = capacity_tokens // bs
-    if num_blocks < 1:
-        raise ValueError(f"capacity {capacity_tokens} tokens is less than one block of {bs}")
+    num_blocks = pool_blocks(reqs, capacity_tokens, bs)
     rate = tokens_per_s or default_tokens_per_s(reqs, replicas)
     clock = _Clock()
     names = [f"replica-{i}" for i in range(replicas)]
@@ -160,8 +160,9 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
     hasher = sim_hasher(bs)
     fleet: dict[str, _Replica] = {}
     for name in names:
-        pool = BlockPool(num_blocks, bs, make_policy(policy, num_blocks), ghost_size=0, clock=clock)
-        mgr = KVCacheManager(pool, hasher, True, ledger=ContentLedger(max_entries=1, max_depth=0))
+        pool = sim_pool(num_blocks, capacity_tokens, bs, policy, clock)
+        mgr = KVCacheManager(pool, hasher, True, ledger=ContentLedger(max_entries=1, max_depth=0),
+                             admission_tail_tokens=admission_tail_tokens)
         rec = PoolEventRecorder(pool) if router == "prefix" else None
         fleet[name] = _Replica(mgr, rec)
     res = FleetResult(router, replicas, capacity_tokens, bs, policy, drop_events, rate)

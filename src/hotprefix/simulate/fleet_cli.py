@@ -14,6 +14,7 @@ import sys
 
 from hotprefix.cache.eviction import POLICIES as EVICTION_POLICIES
 from hotprefix.router import POLICIES, RouterConfig
+from hotprefix.simulate.argtypes import non_negative_float, positive_float
 from hotprefix.simulate.fleet import TARGET_UTILIZATION, replay_fleet
 from hotprefix.simulate.traces import TraceRequest
 
@@ -23,16 +24,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fleet", "replay through R replicas behind the routing core")
     g.add_argument("--replicas", type=int, default=None,
                    help="number of replicas, each with a pool of --capacity-tokens")
-    g.add_argument("--router", choices=POLICIES, default=RouterConfig.policy,
+    g.add_argument("--router", choices=POLICIES, default=None,
                    help=f"routing policy (default: {RouterConfig.policy})")
-    g.add_argument("--drop-events", type=float, default=0.0,
-                   help="share of KV events lost on their way to the prefix router (0..1)")
-    g.add_argument("--tokens-per-second", type=float, default=None,
+    g.add_argument("--drop-events", type=non_negative_float, default=None,
+                   help="share of KV events lost on their way to the prefix router (0..1; "
+                        "default: 0)")
+    g.add_argument("--tokens-per-second", type=positive_float, default=None,
                    help="prefill speed of a replica, for its load; default: the fleet would be "
                         f"{TARGET_UTILIZATION * 100:.0f}%% busy if nothing hit")
-    g.add_argument("--prefill-weight", type=float, default=RouterConfig.prefill_weight,
+    g.add_argument("--prefill-weight", type=non_negative_float, default=None,
                    help=f"the prefix router's w in w x tokens to prefill + load "
                         f"(default: {RouterConfig.prefill_weight})")
+
+
+FLEET_FLAGS = ("router", "drop_events", "tokens_per_second", "prefill_weight")
+"""The fleet's own flags (default None: given or not); they need ``--replicas``."""
+
+
+def flags_given(args: argparse.Namespace) -> list[str]:
+    """The fleet's own flags given on the line (``--router`` ...), for an error without
+    ``--replicas``."""
+    return ["--" + f.replace("_", "-") for f in FLEET_FLAGS if getattr(args, f, None) is not None]
 
 
 def _error(msg: str) -> int:
@@ -51,23 +63,27 @@ def run(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
     if args.policy is not None and args.policy not in EVICTION_POLICIES:
         return _error(f"--replicas replays an engine eviction policy: one of "
                       f"{', '.join(sorted(EVICTION_POLICIES))}")
-    if not 0.0 <= args.drop_events <= 1.0:
+    router = args.router or RouterConfig.policy
+    drop = args.drop_events or 0.0
+    weight = RouterConfig.prefill_weight if args.prefill_weight is None else args.prefill_weight
+    if not 0.0 <= drop <= 1.0:
         return _error("--drop-events must be in [0, 1]")
     if args.capacity_tokens < args.block_size:
         return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
-    cfg = RouterConfig(policy=args.router, prefill_weight=args.prefill_weight)
-    res = replay_fleet(reqs, args.replicas, args.capacity_tokens, args.router, args.policy,
-                       args.block_size, args.drop_events, args.tokens_per_second, cfg)
+    cfg = RouterConfig(policy=router, prefill_weight=weight)
+    res = replay_fleet(reqs, args.replicas, args.capacity_tokens, router, args.policy,
+                       args.block_size, drop, args.tokens_per_second, cfg,
+                       admission_tail_tokens=args.admission_tail_tokens)
     out = res.to_json()
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{args.router} over {args.replicas} replicas of {args.capacity_tokens:,} tokens "
+    print(f"{router} over {args.replicas} replicas of {args.capacity_tokens:,} tokens "
           f"({out['policy']}, block {args.block_size}): block hit ratio {out['block_hit_ratio']:.4f}, "
           f"load imbalance {out['load_imbalance']:.3f}")
     for i, p in enumerate(out["per_replica"]):
         print(f"  replica {i}: {p['requests']:,} requests, {p['computed_tokens']:,} computed tokens, "
               f"{p['hit_tokens']:,} hit tokens")
-    if args.drop_events:
+    if drop:
         print(f"  KV events dropped: {out['events_dropped']:,} of {out['events_sent']:,}")
     return 0

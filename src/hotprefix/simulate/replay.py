@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hotprefix.cache.block_pool import BlockPool
-from hotprefix.cache.eviction import EvictionPolicy, make_policy
+from hotprefix.cache.eviction import EvictionPolicy
 from hotprefix.cache.hashing import BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.config import CacheConfig
 from hotprefix.simulate.min_policy import MinPolicy, next_uses
+from hotprefix.simulate.pool import pool_blocks, sim_pool
 from hotprefix.simulate.tier import TIER_NAME, StoreTier
 from hotprefix.simulate.traces import TraceRequest, lookup_limit, request_keys, sim_hasher
 
@@ -151,22 +151,17 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
         the measured ``SimResult`` (``per_request_hits`` filled when ``keep_per_request``).
     """
     policy = policy or default_policy()
-    num_blocks = capacity_tokens // block_size
-    if num_blocks < 1:
-        raise ValueError(f"capacity {capacity_tokens} tokens is less than one block of {block_size}")
+    if policy == "min" and keys is None:
+        keys = request_keys(reqs, block_size)
+    num_blocks = pool_blocks(reqs, capacity_tokens, block_size, keys)
     nu: list[list[int]] | None = None
     min_pol: MinPolicy | None = None
+    pol: str | EvictionPolicy = policy
     if policy == "min":
-        if keys is None:
-            keys = request_keys(reqs, block_size)
-        nu = next_uses(keys)
-        min_pol = MinPolicy(num_blocks)
-        pol: EvictionPolicy = min_pol
-    else:
-        pol = make_policy(policy, num_blocks)
+        nu = next_uses(keys)  # type: ignore[arg-type]
+        pol = min_pol = MinPolicy(num_blocks)
     clock = _Clock()
-    pool = BlockPool(num_blocks, block_size, pol, ghost_size=0,
-                     max_pinned_fraction=max_pinned_fraction, clock=clock)
+    pool = sim_pool(num_blocks, capacity_tokens, block_size, pol, clock, max_pinned_fraction)
     if min_pol is not None:
         min_pol.index = pool.index
     # max_depth=0: no content records (the ledger serves miss reports, which a replay never asks)

@@ -12,6 +12,7 @@ replay.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -120,37 +121,100 @@ def mooncake_keys(hash_ids: Sequence[int], input_length: int, block_size: int) -
     return sim_hasher(block_size).keys(r.tokens(block_size))
 
 
-def parse_request(obj: dict[str, Any], block_size: int) -> TraceRequest:
-    """One trace line -> TraceRequest (formats: ``TRACE_FORMATS``).
+def _field(obj: dict[str, Any], name: str) -> Any:
+    """``obj[name]``; a missing field is an error that names it."""
+    if name not in obj:
+        raise ValueError(f"missing field {name!r}")
+    return obj[name]
+
+
+def _got(v: Any) -> str:
+    """A wrong value, for an error message: ``null``, ``str '100'``."""
+    return "null" if v is None else f"{type(v).__name__} {repr(v)[:40]}"
+
+
+def _int(v: Any, name: str, minimum: int | None = None) -> int:
+    """A JSON integer (``5.0`` counts; ``true``, ``"5"``, ``5.5`` do not), at least ``minimum``."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"field {name!r} must be an integer, got {_got(v)}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _number(v: Any, name: str, minimum: float | None = None) -> float:
+    """A finite JSON number (no NaN or Infinity), at least ``minimum``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"field {name!r} must be a number, got {_got(v)}")
+    if not math.isfinite(v):
+        raise ValueError(f"field {name!r} must be a finite number, got {v}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {v}")
+    return float(v)
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list):
+        raise ValueError(f"field {name!r} must be a list of integers, got {_got(v)}")
+    return [_int(x, f"{name}[{i}]") for i, x in enumerate(v)]
+
+
+def _block_key(v: Any, name: str) -> bytes:
+    if isinstance(v, str):
+        try:
+            return bytes.fromhex(v)
+        except ValueError:
+            pass
+    raise ValueError(f"field {name!r} must be a hex string, got {_got(v)}")
+
+
+def parse_request(obj: Any, block_size: int) -> TraceRequest:
+    """One trace line (parsed JSON) -> TraceRequest (formats: ``TRACE_FORMATS``).
 
     Raises:
-        ValueError: the line is in no known format, its ids do not cover its tokens, or a request
-            log's block size differs.
+        ValueError: the line is not an object, is in no known format, misses a field or has one of
+            the wrong type (or negative, or not finite), its ids do not cover its tokens, or a
+            request log's block size differs. The message names the field.
     """
+    if not isinstance(obj, dict):
+        raise ValueError(f"a trace line must be a JSON object, got {_got(obj)}")
+    ttl_name = "pin_ttl_s" if "pin_ttl_s" in obj else "ttl_s"
+    ttl = obj.get(ttl_name)  # null: no pin
     ctl = dict(cache_write=obj.get("cache", "auto") != "none",
-               priority=int(obj.get("priority", 0)),
-               pin_ttl_s=float(obj.get("pin_ttl_s", obj.get("ttl_s", 0.0)) or 0.0))
+               priority=_int(obj.get("priority", 0), "priority"),
+               pin_ttl_s=0.0 if ttl is None else _number(ttl, ttl_name, minimum=0))
     if "hash_ids" in obj:
         if MOONCAKE_BLOCK % block_size:
             raise ValueError(f"block_size must divide {MOONCAKE_BLOCK} for Mooncake traces, got {block_size}")
-        n = int(obj["input_length"])
-        r = TraceRequest(n, n, [int(h) for h in obj["hash_ids"]],
-                         timestamp=float(obj.get("timestamp", 0)) / 1000.0, id_tokens=MOONCAKE_BLOCK, **ctl)
+        n = _int(_field(obj, "input_length"), "input_length", minimum=0)
+        if "output_length" in obj:
+            _int(obj["output_length"], "output_length", minimum=0)
+        r = TraceRequest(n, n, _int_list(obj["hash_ids"], "hash_ids"),
+                         timestamp=_number(obj.get("timestamp", 0), "timestamp") / 1000.0,
+                         id_tokens=MOONCAKE_BLOCK, **ctl)
     elif "block_keys" in obj:
-        bs = int(obj.get("block_size", block_size))
+        bs = _int(obj.get("block_size", block_size), "block_size", minimum=1)
         if bs != block_size:
             raise ValueError(f"the request log was written with block_size {bs}; "
                              f"replay it with --block-size {bs}")
-        n = int(obj["num_prompt_tokens"])
-        total = n + max(0, int(obj.get("num_output_tokens", 0)) - 1)  # last sampled token: not computed
-        ids = [log_block_id(bytes.fromhex(k)) for k in obj["block_keys"][:total // block_size]]
-        r = TraceRequest(n, total, ids, timestamp=float(obj.get("timestamp", 0.0)), **ctl)
+        n = _int(_field(obj, "num_prompt_tokens"), "num_prompt_tokens", minimum=0)
+        n_out = _int(obj.get("num_output_tokens", 0), "num_output_tokens", minimum=0)
+        total = n + max(0, n_out - 1)  # last sampled token: not computed
+        keys = obj["block_keys"]
+        if not isinstance(keys, list):
+            raise ValueError(f"field 'block_keys' must be a list of hex strings, got {_got(keys)}")
+        ids = [log_block_id(_block_key(k, f"block_keys[{i}]"))
+               for i, k in enumerate(keys[:total // block_size])]
+        r = TraceRequest(n, total, ids, timestamp=_number(obj.get("timestamp", 0), "timestamp"), **ctl)
     else:
-        toks = obj.get("token_ids", obj.get("prompt_token_ids"))
-        if toks is None:
+        name = "token_ids" if "token_ids" in obj else "prompt_token_ids"
+        if name not in obj:
             raise ValueError(f"unrecognized trace line (no hash_ids, block_keys or token_ids): {sorted(obj)}")
-        return TraceRequest(len(toks), len(toks), None, list(toks),
-                            timestamp=float(obj.get("timestamp", 0.0)), **ctl)
+        toks = _int_list(obj[name], name)
+        return TraceRequest(len(toks), len(toks), None, toks,
+                            timestamp=_number(obj.get("timestamp", 0), "timestamp"), **ctl)
     covered = len(r.block_ids or ()) * (r.id_tokens or block_size)
     if r.num_tokens // block_size > covered // block_size:
         raise ValueError(f"the line's block ids cover {covered} tokens, fewer than the full blocks "
@@ -158,15 +222,45 @@ def parse_request(obj: dict[str, Any], block_size: int) -> TraceRequest:
     return r
 
 
+NOT_JSONL = ("hotprefix simulate reads JSONL traces, one JSON object a line (Mooncake format; "
+             "see --help): CSV and gzip files are not supported")
+"""Said when a trace's first line is not JSON."""
+
+
+def _json_line(raw: bytes, first: bool) -> Any:
+    """One line of a trace file, parsed; ValueError (``not valid JSON (...)``, plus ``NOT_JSONL``
+    on the ``first`` line) otherwise."""
+    try:
+        return json.loads(raw.decode("utf-8").rstrip())  # no newline: an error's column is on this line
+    except UnicodeDecodeError as e:
+        why = f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+    except json.JSONDecodeError as e:
+        why = f"{e.msg} at column {e.colno}"
+    raise ValueError(f"not valid JSON ({why})" + (f"; {NOT_JSONL}" if first else ""))
+
+
 def load_trace(path: str, block_size: int, limit: int | None = None) -> list[TraceRequest]:
-    """The requests of a JSONL trace file, in order (the first ``limit`` when given)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append(parse_request(json.loads(line), block_size))
-                if limit is not None and len(out) >= limit:
-                    break
+    """The requests of a JSONL trace file, in order (the first ``limit`` when given; 0 = none).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line is bad; the message starts ``PATH:LINE:`` (1-based, blank lines
+            counted) and names the problem (when the first line is not JSON: that the simulator
+            reads JSONL).
+    """
+    out: list[TraceRequest] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+            if not raw.strip():
+                continue
+            try:
+                out.append(parse_request(_json_line(raw, first=not out), block_size))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
     return out
 
 
