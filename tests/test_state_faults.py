@@ -116,6 +116,48 @@ def test_an_unusable_state_dir_is_a_clear_error_at_start(tmp_path, tiny_model_di
     assert path in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["ledger.txt", "secret.key"])
+@pytest.mark.parametrize("kind", ["directory", "pipe", "symlink"])
+def test_a_state_file_that_is_not_a_file_is_a_clear_error_at_start(tmp_path, name, kind):
+    """A state file made a directory, a pipe (whose read would block the start forever) or a
+    symlink: the start stops with a message naming it, within the call."""
+    import threading
+
+    d = tmp_path / "state"
+    ContentLedger(StateDir(str(d)))  # a state dir as a first start leaves it
+    p = d / name
+    if p.exists():
+        p.unlink()
+    {"directory": p.mkdir, "pipe": lambda: os.mkfifo(p),
+     "symlink": lambda: p.symlink_to(tmp_path / "elsewhere")}[kind]()
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            ContentLedger(StateDir(str(d)))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(20)
+    assert outcome, "the start blocked"
+    assert isinstance(outcome[0], ConfigError) and name in str(outcome[0]), outcome
+
+
+def test_a_ledger_made_a_pipe_while_serving_fails_writes_without_blocking(tmp_path):
+    """Appending to a pipe with no reader would block the engine thread: it fails at once, is
+    counted, and is retried later."""
+    d = tmp_path / "state"
+    ledger = ContentLedger(StateDir(str(d)))
+    os.mkfifo(d / "ledger.txt")
+    ledger.record(KEY, "ns", None)
+    t0 = time.monotonic()
+    assert ledger.flush() is False
+    assert time.monotonic() - t0 < 10 and ledger.write_failures == 1
+
+
 def test_a_full_disk_never_fails_a_request(tmp_path, tiny_model_dir, monkeypatch):
     import hotprefix.cache.ledger as ledger_mod
 

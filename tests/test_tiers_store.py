@@ -313,29 +313,48 @@ def test_disk_survives_a_restart_with_private_files(tmp_path):
         assert stack._tiers[0]._order.priority(storage_key(LAYOUT, entries[0].key)) == 3
 
 
-def test_disk_reads_are_mapped_views_that_outlive_their_files(tmp_path):
-    """A disk read maps the file: the payload is a read-only view, still valid (and unchanged)
-    after the file is evicted or replaced by a new write, and a host tier filled from it holds
-    its own copy, not a view of the mapping."""
-    entries, payloads = chain(3)
+def test_disk_reads_are_copies_and_only_regular_files_are_entries(tmp_path):
+    """A disk read copies its file: a file truncated in place after the read leaves the payload
+    as read (a mapped read would kill the process with SIGBUS on the next touch). An entry that
+    is not a regular file (a pipe, which would block the reader forever; a symlink; a directory) reads as
+    corrupt: counted, deleted, computed instead, within the call."""
+    entries, payloads = chain(5)
     url = f"disk:{tmp_path / 'kv'}"
     with TierStack([url], LAYOUT) as stack:
         store_all(stack, entries, payloads)
     with TierStack(["host:64MiB", url], LAYOUT) as stack:
+        disk = stack._tiers[1]
+        path = [disk._path(storage_key(LAYOUT, e.key), 0) for e in entries]
         got = stack.fetch_run(entries, PAYLOAD_LEN)
-        assert [b.tier for b in got] == ["disk"] * 3
-        assert all(isinstance(b.payload, memoryview) and b.payload.readonly for b in got)
-        files = sorted((tmp_path / "kv").rglob("*.blk"))
-        files[0].unlink()  # evicted meanwhile
-        for f in files[1:]:  # replaced meanwhile (a new file renamed over the old one)
-            tmp = f.with_suffix(".tmp")
-            tmp.write_bytes(b"\0" * f.stat().st_size)
-            tmp.rename(f)
+        assert [b.tier for b in got] == ["disk"] * 5
+        with open(path[0], "r+b") as f:
+            f.truncate(0)
         assert [bytes(b.payload) for b in got] == payloads
-        stack.flush()  # the read-through fill of the host tier
-        held = stack._tiers[0]._blobs
-        assert len(held) == 3 and all(type(b) is bytes for b in held.values())
-        assert [b.payload for b in stack.fetch_run(entries, PAYLOAD_LEN)] == payloads
+        stack.flush()  # the read-through fill of the host tier holds bytes of its own
+        assert all(type(b) is bytes for b in stack._tiers[0]._blobs.values())
+    with TierStack([url], LAYOUT) as stack:
+        path[1].unlink()
+        os.mkfifo(path[1])
+        path[2].unlink()
+        path[2].symlink_to(path[4])
+        path[3].unlink()
+        path[3].mkdir()
+        answers: dict[int, list] = {}
+
+        def fetch_each() -> None:
+            for i in range(4):
+                answers[i] = stack.fetch_run(entries[i:i + 1], PAYLOAD_LEN)
+
+        t = threading.Thread(target=fetch_each, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "a read blocked on a pipe"
+        assert answers == {0: [], 1: [], 2: [], 3: []}
+        s = stack.stats()["disk"]
+        assert s["corrupt"] == 4 and s["status"] == "ok", s
+        assert not any(os.path.lexists(p) for p in path[:3])  # the directory stays: not a file
+        assert path[3].is_dir()
+        assert [b.payload for b in stack.fetch_run(entries[4:], PAYLOAD_LEN)] == payloads[4:]
 
 
 def test_disk_budget_evicts_least_recent_and_lowest_priority_first(tmp_path):

@@ -26,12 +26,13 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 import time
 import zlib
 from collections import OrderedDict
 
 from hotprefix.cache.hashing import BlockKey
-from hotprefix.cache.state_dir import StateDir, append_whole, write_atomic
+from hotprefix.cache.state_dir import StateDir, append_whole, read_state_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +67,22 @@ def parse_record(line: str) -> tuple[bytes, str] | None:
 
 
 def _ends_a_line(path: str) -> bool:
-    """Whether the file is empty, missing or ends with a newline."""
+    """Whether the file is empty, missing or ends with a newline.
+
+    Raises:
+        OSError: it cannot be read, or is not a regular file.
+    """
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return True
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return st.st_size == 0 or os.pread(fd, 1, st.st_size - 1) == b"\n"
+    finally:
+        os.close(fd)
 
 
 class ContentLedger:
@@ -101,7 +108,7 @@ class ContentLedger:
         self.last_error: str | None = None
         """The last persistence error, cleared by the next successful write."""
         self.skipped_records = 0
-        if self.path and os.path.exists(self.path):
+        if self.path and os.path.lexists(self.path):
             self._load()
 
     # ------------------------------------------------------------------ keys
@@ -164,8 +171,7 @@ class ContentLedger:
         assert self.path is not None
         good: list[str] = []
         bad = 0
-        with open(self.path, "rb") as f:
-            raw = f.read()
+        raw = read_state_file(self.path) or b""
         lines = raw.split(b"\n")
         for lineno, chunk in enumerate(lines, 1):
             if not chunk:

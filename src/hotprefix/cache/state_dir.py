@@ -46,9 +46,35 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
+def read_state_file(path: str) -> bytes | None:
+    """A state file's bytes, or None when it does not exist.
+
+    Raises:
+        StateDirError: it is not a regular file (a directory; a pipe, whose read would block; a
+            symlink, not followed) or cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StateDirError(f"cannot read {path}: {e.strerror or e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StateDirError(f"{path} is not a regular file: move it away, or use another "
+                            "--state-dir")
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise StateDirError(f"cannot read {path}: {e.strerror or e}") from e
+
+
 def append_whole(path: str, data: bytes) -> None:
-    """Append ``data`` (whole records) to ``path`` (created 0600) in one ``O_APPEND`` write."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    """Append ``data`` (whole records) to ``path`` (created 0600) in one ``O_APPEND`` write (a
+    path that is a pipe or a symlink fails at once instead of blocking or being followed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
     try:
         written = os.write(fd, data)
     finally:
@@ -87,17 +113,12 @@ class StateDir:
 
     def _secret(self) -> bytes:
         p = self.file(SECRET_FILE)
-        try:
-            with open(p, "rb") as f:
-                data = f.read()
+        data = read_state_file(p)
+        if data is not None:
             if len(data) == SECRET_BYTES:
                 return data
             log.warning("%s is damaged (%d bytes); making a new secret (older state files are "
                         "ignored)", p, len(data))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise StateDirError(f"cannot read {p}: {e.strerror or e}") from e
         data = os.urandom(SECRET_BYTES)
         try:
             write_atomic(p, data)

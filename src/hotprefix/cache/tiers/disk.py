@@ -12,13 +12,12 @@ least recently read or written (recency across restarts comes from the files' mt
 touches its file). One process owns a directory at a time: replicas share entries through a
 network tier, not through one disk directory.
 
-A read maps the file (``mmap``, read-only) instead of copying it into new memory: the blob's pages
-are the page cache's, so a restarted process's first load pays no page faults of fresh memory
-(on this machine those were most of a 4,000-token load: 99 MB read into new buffers took 56-81
-ms, mapped 3 ms, and the checksum then reads the pages either way). A mapping stays valid after
-its file is evicted or replaced (the tier writes new files and renames them, never truncates one
-in place); a file truncated in place by someone else while it is mapped would fault the process,
-as any mapped file does.
+A read copies the file into memory: a mapping would be faster in a fresh process (no page
+faults of new memory: 99 MB of a 4,000-token load read in 56-81 ms, mapped in 3), but a mapped
+file truncated in place, or a disk error under it, kills the process (SIGBUS) instead of failing
+one read. Only regular files are entries: a file opened as anything else (a symlink, a pipe, which
+would block the reader, a directory) reads as an empty blob, which the stack's check rejects and
+deletes as corrupt.
 
 A failure of the directory (missing, permission denied, disk full) is a ``TierError``; if the
 directory cannot be set up at start, every call retries the setup. Imports no torch.
@@ -26,7 +25,7 @@ directory cannot be set up at start, every call retries the setup. Imports no to
 
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import re
 import stat
@@ -48,12 +47,20 @@ def _error(action: str, e: OSError) -> TierError:
     return TierError(f"disk tier: {action}: {e.strerror or e} ({type(e).__name__})")
 
 
-def _read_mapped(path: Path) -> bytes | memoryview:
-    """A file's bytes as a view of a read-only mapping of it (an empty file: ``b""``)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+def _read_entry(path: Path) -> bytes:
+    """An entry file's bytes; ``b""`` (rejected as corrupt) when the path is not a regular file:
+    a symlink is not followed, a pipe not waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW), or a loop of them
             return b""
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return b""
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        return f.read()
 
 
 @register("disk")
@@ -168,7 +175,7 @@ class DiskTier(Tier):
                 continue
             path = self._path(skey, priority)
             try:
-                data = _read_mapped(path)
+                data = _read_entry(path)
             except FileNotFoundError:  # evicted or replaced meanwhile, or removed by hand
                 with self._lock:
                     if self._order.priority(skey) == priority:
@@ -240,8 +247,8 @@ class DiskTier(Tier):
             path = self._path(skey, priority)
             try:
                 path.unlink()
-            except FileNotFoundError:
-                pass
+            except (FileNotFoundError, IsADirectoryError):
+                pass  # gone, or a directory put there by hand: never an entry (the index forgets it)
             except OSError as e:
                 raise _error(f"delete {path.name}", e) from None
 
