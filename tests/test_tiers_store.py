@@ -533,3 +533,15 @@ def test_disk_directory_removed_while_running(tmp_path):
         s = stack.stats()["disk"]
         assert s["errors"] == 0 and s["entries"] == 3 and stack.healthy()
         assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+
+
+def test_a_tier_error_quoting_binary_is_kept_printable_and_short():
+    """A server's error may quote the binary entry it refused (Valkey over maxmemory): the tier's
+    last_error (in stats and the log) stays one short printable line."""
+    from hotprefix.cache.tiers.health import MAX_ERROR_CHARS, TierHealth
+
+    h = TierHealth("redis", retry_after_s=5.0)
+    h.failed("OOM command not allowed: SET hp:k \x00\x01\xff\n" + "\x7f" * 1000)
+    err = h.snapshot()["last_error"]
+    assert err.isprintable() and len(err) == MAX_ERROR_CHARS and err.startswith("OOM command")
+    assert h.snapshot()["errors"] == 1

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
 
+MAX_ERROR_CHARS = 300
+"""Longest error message kept (``last_error``, the log line)."""
+
 
 @dataclass
 class TierCounters:
@@ -83,7 +86,9 @@ class TierHealth:
         log.info("KV tier %s recovered", self.name)
 
     def failed(self, message: str, *, timeout: bool = False) -> None:
-        """A call to the tier failed: count it and degrade until the retry time."""
+        """A call to the tier failed: count it and degrade until the retry time. The message is
+        kept printable and short (a server's error may quote the binary entry it refused)."""
+        message = "".join(c if c.isprintable() else "?" for c in message[:MAX_ERROR_CHARS])
         with self._lock:
             if timeout:
                 self.counters.timeouts += 1
