@@ -104,8 +104,31 @@ def test_merged_stats_add_counters_and_recompute_ratios():
     assert m["hit_rate"] == pytest.approx(0.3) and m["kv_usage"] == pytest.approx(0.25)
     assert m["miss_tokens_by_reason"] == {"cold": 30, "evicted": 40}
     assert m["miss_share_by_reason"] == pytest.approx({"cold": 30 / 70, "evicted": 40 / 70})
-    assert m["eviction_policy"] == "freq" and m["eviction_policy_state"] == {}
+    assert m["eviction_policy"] == "freq" and "eviction_policy_state" not in m  # per replica only
     assert m["view"] == "operator" and m["num_replicas"] == 2
+
+
+def test_merged_stats_keep_settings_and_merge_the_top_miss_causes():
+    """Per-replica settings are the fleet's when they agree, never their sum (a block size of 32
+    from two of 16), and policy state that does not add up is left out; the replicas' largest
+    miss causes become one list, the same cause's tokens added and shares of the fleet's misses."""
+    from hotprefix.cache.stats import cause_entry
+
+    a = {"view": "tenant", "block_size": 16, "bytes_per_token": 23040,
+         "eviction_policy_state": {"credit_requests": 1000}, "miss_tokens_by_reason": {"cold": 60},
+         "top_miss_causes": [cause_entry("cold", None, 0, 60, 60)]}
+    b = {"view": "tenant", "block_size": 16, "bytes_per_token": 23040,
+         "eviction_policy_state": {"credit_requests": 1000},
+         "miss_tokens_by_reason": {"cold": 20, "extended": 20},
+         "top_miss_causes": [cause_entry("extended", "turn", 3, 20, 40),
+                             cause_entry("cold", None, 0, 20, 40)]}
+    m = merge_stats({"r1": a, "r2": b})
+    assert m["block_size"] == 16 and m["bytes_per_token"] == 23040
+    assert "eviction_policy_state" not in m
+    assert m["top_miss_causes"] == [cause_entry("cold", None, 0, 80, 100),
+                                    cause_entry("extended", "turn", 3, 20, 100)]
+    assert m["top_miss_causes"][0]["summary"] == "80% of missed tokens: cold in block 0"
+    assert "block_size" not in merge_stats({"r1": a, "r2": {**b, "block_size": 32}})
 
 
 def test_merged_metrics_label_every_sample_with_its_replica():

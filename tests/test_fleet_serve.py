@@ -118,6 +118,18 @@ def test_bad_input_and_bad_keys_get_the_single_servers_errors(fleet):
     r = httpx.post(fleet + "/v1/chat/completions", content=b"x" * 2_000_000, headers=H_ALICE, timeout=60)
     assert r.status_code == 413
 
+    for method, route in [("GET", "/health"), ("GET", "/v1/cache/stats"), ("POST", "/v1/cache/reset")]:
+        # the fleet's own routes too, before reading a byte (they had buffered any body whole,
+        # keyless, and sent it to every replica)
+        r = httpx.request(method, fleet + route, content=b"y" * 4_000_000, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", route
+    r = httpx.post(fleet + "/v1/messages", content=b"x" * 2_000_000, headers=H_ALICE, timeout=60)
+    assert r.status_code == 413 and r.json()["type"] == "error"  # Anthropic's shape
+    for route, status in [("/v1/chat/completions", 405), ("/v1/nope", 404)]:
+        r = httpx.options(fleet + route, headers=H_ALICE, timeout=60)  # the single server's answer
+        assert r.status_code == status and r.json()["error"]["code"] in ("method_not_allowed",
+                                                                          "not_found"), r.text
+
 
 def test_fleet_stats_cover_both_replicas_and_tenants_see_only_their_own(fleet):
     for i in range(2):
@@ -130,8 +142,10 @@ def test_fleet_stats_cover_both_replicas_and_tenants_see_only_their_own(fleet):
     assert set(s["router"]["replicas"]) == set(s["replicas"])
     assert len(s["router"]["kv_events"]) == 2  # the router follows both replicas' KV events
     assert sum(s["router"]["indexed_blocks"].values()) > 0
+    assert s["block_size"] == 16 and "eviction_policy_state" not in s  # settings: never summed
     bob = httpx.get(fleet + "/v1/cache/stats", headers=H_BOB, timeout=60).json()
     assert bob["view"] == "tenant" and "replicas" not in bob and "router" not in bob
+    assert bob["block_size"] == 16
     assert bob["requests"] == 2 and bob["num_replicas"] == 2
     text = httpx.get(fleet + "/metrics", headers=H_ADMIN, timeout=60).text
     for name in s["replicas"]:
@@ -167,5 +181,7 @@ def test_a_killed_replica_loses_no_request_and_the_router_forgets_it(fleet):
         time.sleep(0.5)
     assert victim not in s["router"]["replicas"] and victim not in s["router"]["indexed_blocks"]
     assert victim in before
+    h = httpx.get(fleet + "/health", timeout=60).json()  # one of 2 down until Serve replaces it
+    assert h["replicas"] == 2 and h["status"] == ("ok" if h["replicas_ok"] == 2 else "degraded"), h
     r = chat(fleet, conversation(0))  # its conversation goes on elsewhere
     assert r.status_code == 200 and r.headers["x-hotprefix-replica"] != victim

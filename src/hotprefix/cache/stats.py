@@ -87,12 +87,8 @@ class CacheStats:
         total = sum(self.miss_tokens_by_reason.values())
         out = []
         for (reason, cause, block), tokens in self.miss_causes.most_common(n):
-            share = tokens / total if total else 0.0
-            where = f" in block {block}" if block >= 0 else ""
-            what = f" at a {cause.replace('_', ' ')}" if cause else ""
-            out.append({"reason": reason, "cause": cause or None, "block_index": block if block >= 0 else None,
-                        "tokens": tokens, "share": share,
-                        "summary": f"{share:.0%} of missed tokens: {reason}{what}{where}"})
+            out.append(cause_entry(reason, cause or None, block if block >= 0 else None, tokens,
+                                   total))
         return out
 
     def reset(self) -> None:
@@ -104,6 +100,16 @@ class CacheStats:
         self.miss_causes.clear()
         self.recent.clear()
         self.recent_queried_tokens = self.recent_hit_tokens = 0
+
+
+def cause_entry(reason: str, cause: str | None, block: int | None, tokens: int,
+                total: int) -> dict:
+    """One ``top_miss_causes`` entry: ``tokens`` of ``total`` missed tokens, with its summary."""
+    share = tokens / total if total else 0.0
+    where = f" in block {block}" if block is not None else ""
+    what = f" at a {cause.replace('_', ' ')}" if cause else ""
+    return {"reason": reason, "cause": cause, "block_index": block, "tokens": tokens,
+            "share": share, "summary": f"{share:.0%} of missed tokens: {reason}{what}{where}"}
 
 
 def request_figures(s: CacheStats) -> dict:

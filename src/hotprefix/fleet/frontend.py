@@ -37,6 +37,8 @@ from hotprefix.fleet.hints import PromptKeys, RouteHint
 from hotprefix.fleet.merge import merge_metrics, merge_stats
 from hotprefix.fleet.replica import REPLICA_HEADER
 from hotprefix.fleet.live import routers
+from hotprefix.server.errors import shaped_body
+from hotprefix.server.limits import CODE as TOO_LARGE, BodyLimit
 from hotprefix.server.protocol import error_body
 from hotprefix.server.tenants import TenantRegistry
 from hotprefix.tokenizer import Tokenizer
@@ -161,10 +163,9 @@ class Frontend:
     async def _each(self, request: Request, method: str, path: str) -> dict[str, Reply]:
         """The same request to every live replica (Ray Serve's broadcast): replica name -> its
         reply; a replica that died meanwhile is left out."""
-        headers = list(request.headers.items())
-        body = await request.body()
-        try:
-            response = self.engine.broadcast("call", method, path, request.url.query, headers, body)
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS]
+        try:  # these routes take no body: none is read or sent to every replica
+            response = self.engine.broadcast("call", method, path, request.url.query, headers, b"")
             results = await response.results_async(timeout_s=FANOUT_TIMEOUT_S, return_exceptions=True)
         except Exception as e:  # no replica (yet): the routes answer 503
             log.warning("fan-out of %s %s failed: %s", method, path, type(e).__name__)
@@ -187,7 +188,10 @@ class Frontend:
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/cache/reset", self.cache_reset, methods=["POST"])
         api.add_api_route("/{path:path}", self.forward,
-                          methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+                          methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+        limit = self.server_config.max_request_bytes
+        api.add_middleware(BodyLimit, max_bytes=limit,  # before any route reads a body
+                           shape=lambda path, msg: shaped_body(path, 413, msg, TOO_LARGE))
         return api
 
     # ------------------------------------------------------------------ fleet routes
@@ -233,8 +237,9 @@ class Frontend:
     async def health(self, request: Request) -> Response:
         replies = await self._each(request, "GET", "/health")
         ok = [r for r in replies.values() if r.status == 200]
-        router = routers.get(ENGINE_DEPLOYMENT)
-        n = max(len(replies), len(router.core.replicas) if router is not None else 0)
+        router = routers.get(ENGINE_DEPLOYMENT)  # a replica that died is not among the replies
+        n = max(len(replies), len(router.core.replicas) if router is not None else 0,
+                self.fleet.replicas)
         body = {"status": "ok" if ok and len(ok) == n else "degraded" if ok else "unavailable",
                 "replicas": n, "replicas_ok": len(ok)}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -15,8 +15,17 @@ from typing import Any, Mapping
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-RATIOS = ("hit_rate", "hit_rate_recent", "kv_usage", "evictions_per_second", "miss_share_by_reason")
+from hotprefix.cache.stats import cause_entry
+
+RATIOS = ("hit_rate", "hit_rate_recent", "kv_usage", "evictions_per_second", "miss_share_by_reason",
+          "top_miss_causes")
 """Figures recomputed from the merged counters instead of added."""
+CONSTANTS = ("block_size", "bytes_per_token")
+"""Per-replica settings: the fleet's figure is theirs when they agree (never their sum)."""
+PER_REPLICA = ("eviction_policy_state",)
+"""State that neither adds up nor compares: left to the per-replica views."""
+TOP_CAUSES = 5
+"""Entries of the merged ``top_miss_causes``."""
 
 
 def _is_number(x: Any) -> bool:
@@ -29,9 +38,13 @@ def _merge(views: list[Mapping[str, Any]]) -> dict[str, Any]:
     for v in views:
         keys.extend(k for k in v if k not in keys)
     for k in keys:
-        if k in RATIOS:
+        if k in RATIOS or k in PER_REPLICA:
             continue
         vals = [v[k] for v in views if k in v]
+        if k in CONSTANTS:
+            if all(x == vals[0] for x in vals):
+                out[k] = vals[0]
+            continue
         if all(_is_number(x) for x in vals):
             out[k] = sum(vals)
         elif all(isinstance(x, Mapping) for x in vals):
@@ -61,8 +74,23 @@ def merge_stats(views: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     if isinstance(miss, dict):
         total = sum(x for x in miss.values() if _is_number(x))
         out["miss_share_by_reason"] = {r: (x / total if total else 0.0) for r, x in miss.items()}
+    causes = [c for v in vs for c in v.get("top_miss_causes") or () if isinstance(c, Mapping)]
+    if any("top_miss_causes" in v for v in vs):
+        out["top_miss_causes"] = _merged_causes(causes, miss if isinstance(miss, dict) else {})
     out["num_replicas"] = len(vs)
     return out
+
+
+def _merged_causes(causes: list[Mapping[str, Any]], miss: Mapping[str, Any]) -> list[dict]:
+    """The replicas' largest miss causes as one list: the same cause's tokens added, the shares
+    taken of the fleet's missed tokens (a cause below every replica's top 5 is not counted)."""
+    tokens: dict[tuple, int] = {}
+    for c in causes:
+        key = (c.get("reason"), c.get("cause"), c.get("block_index"))
+        tokens[key] = tokens.get(key, 0) + int(c.get("tokens") or 0)
+    total = sum(x for x in miss.values() if _is_number(x))
+    top = sorted(tokens.items(), key=lambda kv: -kv[1])[:TOP_CAUSES]
+    return [cause_entry(str(r), cause, block, n, total) for (r, cause, block), n in top]
 
 
 class _Families:
