@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from hotprefix import simulate as sim
 from hotprefix.simulate import TraceRequest
+from sim_support import exit_2
 
 
 def keyed(chain_ids, n_prompt=None, bs=16, **kw) -> TraceRequest:
@@ -422,18 +423,6 @@ def test_cli_sweep_writes_plot_json_and_sizing(tmp_path, capsys):
     assert "--kv-cache-memory" in text
 
 
-def _exit_2(argv, capsys) -> str:
-    """Run ``simulate argv``; assert exit status 2 (returned, or argparse's); return stderr."""
-    try:
-        rc = sim.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    return err
-
-
 GOOD_LINE = '{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}'
 
 
@@ -465,7 +454,7 @@ GOOD_LINE = '{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}'
 def test_a_bad_trace_line_is_named_by_file_line_and_field(tmp_path, capsys, line, says):
     p = tmp_path / "t.jsonl"
     p.write_text(f"{GOOD_LINE}\n\n{line}\n{GOOD_LINE}\n")  # the bad line is line 3 (blank lines count)
-    err = _exit_2([str(p), "--capacity-tokens", "10000"], capsys)
+    err = exit_2([str(p), "--capacity-tokens", "10000"], capsys)
     assert err.startswith(f"hotprefix simulate: error: {p}:3: ") and says in err, err
     with pytest.raises(ValueError, match=f"^{p}:3: "):
         sim.load_trace(str(p), 16)
@@ -476,7 +465,7 @@ def test_a_bad_trace_line_is_named_by_file_line_and_field(tmp_path, capsys, line
 def test_a_first_line_not_json_says_the_simulator_reads_jsonl(tmp_path, capsys, content):
     p = tmp_path / "t.csv"
     p.write_bytes(content)
-    err = _exit_2([str(p), "--capacity-tokens", "10000"], capsys)
+    err = exit_2([str(p), "--capacity-tokens", "10000"], capsys)
     assert f"{p}:1: not valid JSON (" in err
     assert "reads JSONL traces" in err and "Mooncake" in err and "CSV and gzip" in err
 
@@ -502,16 +491,16 @@ def test_nonsense_numbers_are_refused_at_parsing(tmp_path, capsys, flag, value):
         argv += ["--sweep", "--out", str(tmp_path / "out")]
     if flag != "--capacity-tokens" and "--sweep" not in argv:
         argv += ["--capacity-tokens", "10000"]
-    err = _exit_2(argv + [flag, value], capsys)
+    err = exit_2(argv + [flag, value], capsys)
     assert f"argument {flag}: must be " in err and repr(value) in err
 
 
 def test_unusable_sweep_out_and_capacity_are_errors(tmp_path, capsys):
     p = tmp_path / "t.jsonl"
     p.write_text(f"{GOOD_LINE}\n")
-    err = _exit_2([str(p), "--sweep", "--out", str(p), "--bytes-per-token", "1000"], capsys)
+    err = exit_2([str(p), "--sweep", "--out", str(p), "--bytes-per-token", "1000"], capsys)
     assert f"--out {p}: cannot make the output directory" in err
-    err = _exit_2([str(p), "--capacity-tokens", "15"], capsys)
+    err = exit_2([str(p), "--capacity-tokens", "15"], capsys)
     assert "--capacity-tokens must hold at least one block (16 tokens)" in err
 
 
@@ -520,7 +509,7 @@ def test_unusable_sweep_out_and_capacity_are_errors(tmp_path, capsys):
 def test_fleet_flags_without_replicas_are_errors(tmp_path, capsys, flags):
     p = tmp_path / "t.jsonl"
     p.write_text(f"{GOOD_LINE}\n")
-    err = _exit_2([str(p), "--capacity-tokens", "10000", *flags], capsys)
+    err = exit_2([str(p), "--capacity-tokens", "10000", *flags], capsys)
     assert f"{flags[0]} needs --replicas" in err
 
 

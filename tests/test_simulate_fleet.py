@@ -14,6 +14,7 @@ from hotprefix import simulate as sim
 from hotprefix.router import RouterConfig
 from hotprefix.simulate import TraceRequest
 from hotprefix.simulate.fleet import replay_fleet
+from sim_support import exit_2
 
 BS = 16
 
@@ -113,18 +114,6 @@ def test_cli_json_per_replica_and_imbalance(tmp_path, capsys):
     assert cli_main(["simulate", str(p), "--replicas", "2", "--block-size", "512"]) == 2
 
 
-def _exit_2(argv, capsys) -> str:
-    """Run ``hotprefix simulate``; assert exit status 2 (returned, or argparse's); return stderr."""
-    try:
-        rc = sim.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    return err
-
-
 def test_an_empty_trace_gives_an_empty_fleet_result(tmp_path, capsys):
     p = tmp_path / "empty.jsonl"
     p.write_text("")
@@ -164,7 +153,7 @@ def test_admission_tail_applies_to_every_replica(tmp_path, capsys):
 def test_nonsense_fleet_numbers_are_refused(tmp_path, capsys, flag, value):
     p = tmp_path / "t.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n')
-    err = _exit_2([str(p), "--capacity-tokens", "4096", "--replicas", "2", flag, value], capsys)
+    err = exit_2([str(p), "--capacity-tokens", "4096", "--replicas", "2", flag, value], capsys)
     assert f"argument {flag}: must be a finite number" in err
 
 
