@@ -100,6 +100,10 @@ def test_sign_in_rules_over_http(srv):
         assert c.get(url, params={"key": "wrong"}).status_code == 401
         assert c.post(url + "/login", data={"key": "wrong"}).status_code == 401
         assert "set-cookie" not in c.post(url + "/login", data={"key": "wrong"}).headers
+        # more fields than the form has: refused like a wrong key (it was a 500 and a traceback)
+        r = c.post(url + "/login", content=f"a=1&b=2&c=3&d=4&key={ADMIN}",
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 401 and "set-cookie" not in r.headers
         # a form post from another site is refused
         assert c.post(url + "/login", data={"key": ADMIN},
                       headers={"Origin": "http://evil.example"}).status_code == 403

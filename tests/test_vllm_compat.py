@@ -106,6 +106,21 @@ def test_vllm_sampling_params_as_vllm_code_writes_them():
         SamplingParams(no_such_field=1)
 
 
+def test_sampling_params_changed_after_construction_count_or_are_refused():
+    """vLLM code sets fields on a SamplingParams it made: a field hotprefix has takes effect (the
+    stop list is read when the request is added), a vLLM field it lacks is refused unless its
+    value asks for nothing, and any other name is an error (never silently kept and ignored)."""
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    sp.stop = ["."]
+    assert sp.stop_list == ["."]
+    sp.n = 1  # asks for nothing: accepted, not stored
+    for name, value in [("n", 3), ("logprobs", 5), ("presence_penalty", 1.5)]:
+        with pytest.raises(SamplingError, match=f"'{name}'"):
+            setattr(sp, name, value)
+    with pytest.raises(AttributeError, match="no field 'stop_strings'"):
+        sp.stop_strings = ["."]
+
+
 # ---------------------------------------------------------------- the offline LLM (tiny model)
 
 @pytest.fixture(scope="module")
@@ -143,6 +158,37 @@ def test_outputs_in_vllm_shape(tiny_llm):
     conv = [{"role": "user", "content": "Hi!"}]
     (chat,) = tiny_llm.chat(conv, sampling_params=SamplingParams(max_tokens=3))
     assert chat.prompt == tiny_llm.tokenizer.render_chat(conv) and chat.outputs[0].text == chat.text
+
+
+def test_vllm_prompt_dicts_and_request_keywords(tiny_llm):
+    """vLLM's TextPrompt / TokensPrompt dicts are read (a lone dict had been iterated: the model
+    ran on the text 'prompt_token_ids'), and vLLM's keywords of generate and chat are accepted
+    when they ask for nothing, else refused by name."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = tiny_llm.tokenizer.encode("The capital of France is")
+    want = tiny_llm.generate([ids, "The capital of France is"], sp)
+    for prompts in ([{"prompt_token_ids": ids}, {"prompt": "The capital of France is"}],):
+        got = tiny_llm.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got[0].prompt_token_ids == ids and got[1].prompt == "The capital of France is"
+    (one,) = tiny_llm.generate({"prompt_token_ids": ids}, sp, lora_request=None)
+    assert one.prompt_token_ids == ids and one.token_ids == want[0].token_ids
+    (old,) = tiny_llm.generate(prompt_token_ids=[ids], sampling_params=sp)  # vLLM's older keyword
+    assert old.token_ids == want[0].token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        tiny_llm.generate({"prompt": "x", "multi_modal_data": {"image": None}}, sp)
+    with pytest.raises(ValueError, match="'lora_request'"):
+        tiny_llm.generate("x", sp, lora_request=object())
+    conv = [{"role": "user", "content": "Hi!"}]
+    assert tiny_llm.chat(conv, sp, add_generation_prompt=True, chat_template_kwargs=None)
+    with pytest.raises(ValueError, match="'add_generation_prompt'"):
+        tiny_llm.chat(conv, sp, add_generation_prompt=False)
+    with pytest.raises(ValueError, match="'chat_template_kwargs'"):
+        tiny_llm.chat(conv, sp, chat_template_kwargs={"enable_thinking": False})
+    late = SamplingParams(max_tokens=4)
+    late.temperature = -1.0  # checked again when the request is added
+    with pytest.raises(SamplingError, match="temperature"):
+        tiny_llm.generate("x", late)
 
 
 def test_sampling_params_per_prompt_and_by_vllm_keyword(tiny_llm):
@@ -220,7 +266,8 @@ def test_vllm_serve_flags_parse_to_hotprefix_settings():
 def test_unsupported_vllm_flag_is_an_error_naming_it(name, capsys):
     entry = vllm_compat.UNSUPPORTED[name]
     flag = "--" + name.replace("_", "-")
-    switch = all(isinstance(a, bool) for a in entry.accepted)
+    switch = any(isinstance(a, bool) for a in entry.accepted) and all(
+        isinstance(a, bool) or a is None for a in entry.accepted)
     tries = [([flag], True), ([f"--no-{flag[2:]}"], False)] if switch else \
         [([flag, NOT_ACCEPTED], NOT_ACCEPTED)] + [([flag, str(a)], a) for a in entry.accepted if a is not None]
     for argv, value in tries:

@@ -104,7 +104,8 @@ def add_vllm_unsupported_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if flag in taken:
             continue
-        is_switch = all(isinstance(a, bool) for a in entry.accepted)
+        is_switch = any(isinstance(a, bool) for a in entry.accepted) and all(
+            isinstance(a, bool) or a is None for a in entry.accepted)
         kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if is_switch
                                   else {"type": str})
         parser.add_argument(flag, dest=VLLM_DEST + name, default=argparse.SUPPRESS,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
 from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.sampling import SamplingParams
+from hotprefix.vllm_compat import PROMPT_KEYS, REQUEST_UNSUPPORTED, rejection
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -27,6 +28,39 @@ def derived_seed(seed: int, index: int) -> int:
     each request, the same on every run."""
     digest = hashlib.sha256(f"hotprefix/default-seed\0{seed}\0{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _drop_vllm_request_options(options: dict[str, Any]) -> None:
+    """Remove vLLM's request keywords whose value asks for nothing (``lora_request=None``); raise
+    ValueError naming the first that asks for what hotprefix does not do."""
+    for name in [k for k in options if k in REQUEST_UNSUPPORTED]:
+        why = rejection(name, options.pop(name), REQUEST_UNSUPPORTED[name])
+        if why:
+            raise ValueError(why)
+
+
+def _prompt_list(prompts: Any) -> list[str | list[int]]:
+    """One prompt or many as a list of strings and token-id lists; vLLM's prompt dicts read by
+    their ``prompt_token_ids`` (else ``prompt``). Raises ValueError for anything else."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Sequence) and prompts
+                                               and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those, "
+                         f"got {type(prompts).__name__}")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, Mapping):
+            extra = sorted(set(p) - PROMPT_KEYS)
+            if extra or not set(p) & PROMPT_KEYS:
+                raise ValueError(f"prompts[{i}]: a prompt dict takes 'prompt' or 'prompt_token_ids' "
+                                 f"(text only){f'; not {extra}' if extra else ''}")
+            p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
+        if not isinstance(p, (str, Sequence)):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, "
+                             f"got {type(p).__name__}")
+        out.append(p if isinstance(p, str) else list(p))
+    return out
 
 
 def _one_of(params: Params, sampling_params: Params) -> Params:
@@ -68,18 +102,27 @@ class LLM:
         self.served_model_name: str = names[0] if names else self.engine.model_name
         self._num_requests = 0
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt] | None = None, params: Params = None,
                  cache_salt: str | None = None, use_tqdm: bool | None = None, *,
-                 sampling_params: Params = None, **request_options: Any) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists); outputs in input order.
+                 sampling_params: Params = None, prompt_token_ids: Any = None,
+                 **request_options: Any) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings, token-id lists, or vLLM's ``{"prompt": ...}``
+        / ``{"prompt_token_ids": [...]}`` dicts); outputs in input order.
 
         ``params`` (or, by vLLM's name, ``sampling_params``) is one SamplingParams for every prompt
         or a list with one per prompt. ``request_options`` are per-request cache controls passed to
-        ``add_request`` (``cache_write``, ``priority``, ``pin_ttl_s``, ``salt_from_block``).
+        ``add_request`` (``cache_write``, ``priority``, ``pin_ttl_s``, ``salt_from_block``); vLLM's
+        other keywords (``lora_request``...) are accepted when they ask for nothing, else refused
+        with a ValueError naming them. ``prompt_token_ids``: vLLM's older keyword for ``prompts``.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("give prompts or prompt_token_ids, not both")
+            prompts = prompt_token_ids
+        if prompts is None:
+            raise ValueError("generate() needs prompts")
+        _drop_vllm_request_options(request_options)
+        prompts = _prompt_list(prompts)
         per_prompt = self._params_per_prompt(_one_of(params, sampling_params), len(prompts))
         ids = [self.engine.add_request(p, sp, cache_salt=cache_salt, **request_options).request_id
                for p, sp in zip(prompts, per_prompt)]  # type: ignore[arg-type]
@@ -93,6 +136,7 @@ class LLM:
              use_tqdm: bool | None = None, *, sampling_params: Params = None,
              **request_options: Any) -> list[RequestOutput]:
         """OpenAI-style messages (or a list of conversations) through the chat template."""
+        _drop_vllm_request_options(request_options)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(m) for m in convs]  # type: ignore[arg-type]
         outs = self.generate(prompts, _one_of(params, sampling_params), cache_salt, use_tqdm,

@@ -8,11 +8,12 @@ else is in the batch. This module holds the greedy threshold and the default ``m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,16 +61,29 @@ class SamplingParams:
     """Extra token ids that end generation (EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
-    stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
-        if isinstance(self.stop, str):
-            self.stop_list = [self.stop]
-        else:
-            self.stop_list = list(self.stop or [])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Fields may be changed after construction, as vLLM's can (``validate`` runs again when
+        a request is added); a vLLM field hotprefix lacks is refused unless its value asks for
+        nothing (``n = 1``), and any other name is an AttributeError, never silently kept."""
+        if name in SAMPLING_UNSUPPORTED:
+            why = rejection(name, value, SAMPLING_UNSUPPORTED[name])
+            if why:
+                raise SamplingError(why, name)
+            return
+        if name not in _FIELDS:
+            raise AttributeError(f"SamplingParams has no field {name!r}; its fields: {sorted(_FIELDS)}")
+        object.__setattr__(self, name, value)
+
+    @property
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (read when a request is added, so a later change counts)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def validate(self) -> None:
         def num(name: str, v) -> None:
@@ -111,6 +125,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this small are greedy: dividing logits by them overflows."""
         return self.temperature < MIN_TEMPERATURE
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _with_vllm_fields(init):

@@ -130,6 +130,27 @@ SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
 """vLLM ``SamplingParams`` fields hotprefix does not have (those it has keep vLLM's names:
 temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)."""
 
+REQUEST_UNSUPPORTED: dict[str, Unsupported] = {
+    "lora_request": Unsupported("no LoRA adapters: merge the adapter into the weights"),
+    "prompt_adapter_request": Unsupported("no prompt adapters"),
+    "guided_options_request": Unsupported("no constrained (structured) decoding"),
+    "add_generation_prompt": Unsupported("the chat template always ends with the assistant's turn "
+                                         "opened", (True,)),
+    "continue_final_message": Unsupported("the assistant's turn is always a new one", (False,)),
+    "chat_template": Unsupported("the model's own chat template is used: load a tokenizer with "
+                                 "another one (tokenizer=...)"),
+    "chat_template_kwargs": Unsupported("the chat template is rendered with the messages only",
+                                        (None, {})),
+    "chat_template_content_format": Unsupported("content parts are joined as text", ("auto",)),
+    "tools": Unsupported("no tool calling"),
+    "mm_processor_kwargs": Unsupported("text models only"),
+}
+"""vLLM keyword arguments of ``LLM.generate`` / ``LLM.chat`` that hotprefix does not have."""
+
+PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+"""Keys of vLLM's TextPrompt / TokensPrompt dicts that hotprefix reads (a dict with any other key,
+such as ``multi_modal_data``, is refused)."""
+
 METRICS: dict[str, str] = {
     "vllm:num_requests_running": "hotprefix_num_requests_running",
     "vllm:num_requests_waiting": "hotprefix_num_requests_waiting",

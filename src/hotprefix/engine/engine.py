@@ -138,6 +138,9 @@ class LLMEngine:
         ``expect_reuse``) are described on ``hotprefix.cache.request.CacheRequest``.
         """
         params = params or SamplingParams()
+        params.validate()  # again: a field may have been changed since it was made
+        if not isinstance(prompt, (str, Sequence)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.runner.arch.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):

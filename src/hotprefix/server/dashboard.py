@@ -261,7 +261,10 @@ async def login(request: Request, state: ServerState = Depends(get_state)):
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:
         return _login_form(request, "invalid")
-    form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    try:
+        form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    except ValueError:  # more fields than the form has
+        return _login_form(request, "invalid")
     key = (form.get("key") or [""])[0].strip()
     if is_open(state):
         return RedirectResponse(_base(request), status_code=303)
