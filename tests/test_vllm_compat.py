@@ -266,8 +266,7 @@ def test_vllm_serve_flags_parse_to_hotprefix_settings():
 def test_unsupported_vllm_flag_is_an_error_naming_it(name, capsys):
     entry = vllm_compat.UNSUPPORTED[name]
     flag = "--" + name.replace("_", "-")
-    switch = any(isinstance(a, bool) for a in entry.accepted) and all(
-        isinstance(a, bool) or a is None for a in entry.accepted)
+    switch = entry.switch
     tries = [([flag], True), ([f"--no-{flag[2:]}"], False)] if switch else \
         [([flag, NOT_ACCEPTED], NOT_ACCEPTED)] + [([flag, str(a)], a) for a in entry.accepted if a is not None]
     for argv, value in tries:

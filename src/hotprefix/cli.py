@@ -104,9 +104,7 @@ def add_vllm_unsupported_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if flag in taken:
             continue
-        is_switch = any(isinstance(a, bool) for a in entry.accepted) and all(
-            isinstance(a, bool) or a is None for a in entry.accepted)
-        kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if is_switch
+        kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if entry.switch
                                   else {"type": str})
         parser.add_argument(flag, dest=VLLM_DEST + name, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS, **kwargs)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.sampling import SamplingParams
-from hotprefix.vllm_compat import PROMPT_KEYS, REQUEST_UNSUPPORTED, rejection
+from hotprefix.vllm_compat import PROMPT_KEYS, REQUEST_UNSUPPORTED, drop_accepted
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -33,10 +33,7 @@ def derived_seed(seed: int, index: int) -> int:
 def _drop_vllm_request_options(options: dict[str, Any]) -> None:
     """Remove vLLM's request keywords whose value asks for nothing (``lora_request=None``); raise
     ValueError naming the first that asks for what hotprefix does not do."""
-    for name in [k for k in options if k in REQUEST_UNSUPPORTED]:
-        why = rejection(name, options.pop(name), REQUEST_UNSUPPORTED[name])
-        if why:
-            raise ValueError(why)
+    drop_accepted(options, REQUEST_UNSUPPORTED, lambda why, name: ValueError(why))
 
 
 def _prompt_list(prompts: Any) -> list[str | list[int]]:

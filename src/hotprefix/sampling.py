@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, rejection
+from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, drop_accepted
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (dividing logits by ~0 would overflow); SamplingParams stores
@@ -72,9 +72,7 @@ class SamplingParams:
         a request is added); a vLLM field hotprefix lacks is refused unless its value asks for
         nothing (``n = 1``), and any other name is an AttributeError, never silently kept."""
         if name in SAMPLING_UNSUPPORTED:
-            why = rejection(name, value, SAMPLING_UNSUPPORTED[name])
-            if why:
-                raise SamplingError(why, name)
+            drop_accepted({name: value}, SAMPLING_UNSUPPORTED, SamplingError)
             return
         if name not in _FIELDS:
             raise AttributeError(f"SamplingParams has no field {name!r}; its fields: {sorted(_FIELDS)}")
@@ -136,10 +134,7 @@ def _with_vllm_fields(init):
     SamplingError naming the field and what to use instead (``hotprefix.vllm_compat``)."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        for name in [k for k in kwargs if k in SAMPLING_UNSUPPORTED]:
-            why = rejection(name, kwargs.pop(name), SAMPLING_UNSUPPORTED[name])
-            if why:
-                raise SamplingError(why, name)
+        drop_accepted(kwargs, SAMPLING_UNSUPPORTED, SamplingError)
         init(self, *args, **kwargs)
     return __init__
 

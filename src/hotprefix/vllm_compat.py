@@ -21,7 +21,7 @@ Torch-free. Knows nothing about the engine, the server or argparse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hotprefix.config import ConfigError
 
@@ -53,6 +53,12 @@ class Unsupported:
     """What to use instead, or why nothing is needed."""
     accepted: tuple[Any, ...] = (None,)
     """Values that ask for nothing beyond what hotprefix does anyway: accepted and dropped."""
+
+    @property
+    def switch(self) -> bool:
+        """Whether the option is an on/off flag on a command line (``--x`` / ``--no-x``)."""
+        return any(isinstance(a, bool) for a in self.accepted) and all(
+            isinstance(a, bool) or a is None for a in self.accepted)
 
 
 _ONE_DEVICE = ("hotprefix runs a model on one device: run one server per device and spread requests "
@@ -187,6 +193,16 @@ def rejection(name: str, value: Any, entry: Unsupported, flag: bool = False) -> 
     why = f"{_spelled(name, value, flag)}: vLLM's {name!r} is not supported by hotprefix: {entry.instead}"
     fine = [_spelled(name, a, flag) for a in entry.accepted if a is not None]
     return why + (f" ({' or '.join(fine)} is accepted: what hotprefix does anyway)" if fine else "")
+
+
+def drop_accepted(options: dict[str, Any], table: dict[str, Unsupported],
+                  error: Callable[[str, str], Exception]) -> None:
+    """Remove from ``options`` the names of ``table`` whose value asks for nothing; raise
+    ``error(why, name)`` for the first whose value asks for what hotprefix does not do."""
+    for name in [k for k in options if k in table]:
+        why = rejection(name, options.pop(name), table[name])
+        if why:
+            raise error(why, name)
 
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:

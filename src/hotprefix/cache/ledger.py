@@ -26,13 +26,13 @@ import hashlib
 import hmac
 import logging
 import os
-import stat
 import time
 import zlib
 from collections import OrderedDict
 
 from hotprefix.cache.hashing import BlockKey
-from hotprefix.cache.state_dir import StateDir, append_whole, read_state_file, write_atomic
+from hotprefix.cache.state_dir import (StateDir, append_whole, open_regular, read_state_file,
+                                       write_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,12 @@ def _ends_a_line(path: str) -> bool:
         OSError: it cannot be read, or is not a regular file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError:
         return True
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return st.st_size == 0 or os.pread(fd, 1, st.st_size - 1) == b"\n"
+        size = os.fstat(fd).st_size
+        return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
     finally:
         os.close(fd)
 

@@ -10,6 +10,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -46,6 +47,31 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
+class NotARegularFile(OSError):
+    """The path is a symlink, a pipe, a directory or a device, where a regular file belongs."""
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file at ``path``: a symlink is not followed and a
+    pipe is not waited on (its open would block until a writer comes).
+
+    Raises:
+        FileNotFoundError: there is nothing at ``path``.
+        NotARegularFile: something other than a regular file is.
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW), or a loop of them
+            raise NotARegularFile(f"{path} is a symlink") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotARegularFile(f"{path} is not a regular file")
+    return fd
+
+
 def read_state_file(path: str) -> bytes | None:
     """A state file's bytes, or None when it does not exist.
 
@@ -54,15 +80,14 @@ def read_state_file(path: str) -> bytes | None:
             symlink, not followed) or cannot be read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
+    except NotARegularFile:
+        raise StateDirError(f"{path} is not a regular file: move it away, or use another "
+                            "--state-dir") from None
     except OSError as e:
         raise StateDirError(f"cannot read {path}: {e.strerror or e}") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise StateDirError(f"{path} is not a regular file: move it away, or use another "
-                            "--state-dir")
     with os.fdopen(fd, "rb", buffering=0) as f:
         try:
             return f.read()

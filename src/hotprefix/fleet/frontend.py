@@ -37,8 +37,8 @@ from hotprefix.fleet.hints import PromptKeys, RouteHint
 from hotprefix.fleet.merge import merge_metrics, merge_stats
 from hotprefix.fleet.replica import REPLICA_HEADER
 from hotprefix.fleet.live import routers
-from hotprefix.server.errors import shaped_body
-from hotprefix.server.limits import CODE as TOO_LARGE, BodyLimit
+from hotprefix.server.errors import too_large_body
+from hotprefix.server.limits import BodyLimit
 from hotprefix.server.protocol import error_body
 from hotprefix.server.tenants import TenantRegistry
 from hotprefix.tokenizer import Tokenizer
@@ -189,9 +189,8 @@ class Frontend:
         api.add_api_route("/v1/cache/reset", self.cache_reset, methods=["POST"])
         api.add_api_route("/{path:path}", self.forward,
                           methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
-        limit = self.server_config.max_request_bytes
-        api.add_middleware(BodyLimit, max_bytes=limit,  # before any route reads a body
-                           shape=lambda path, msg: shaped_body(path, 413, msg, TOO_LARGE))
+        api.add_middleware(BodyLimit, max_bytes=self.server_config.max_request_bytes,
+                           shape=too_large_body)  # before any route reads a body
         return api
 
     # ------------------------------------------------------------------ fleet routes

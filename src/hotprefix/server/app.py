@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.engine import LLMEngine
 from hotprefix.server import cache_routes, dashboard, errors, generate, messages, ops_routes
-from hotprefix.server.limits import CODE as TOO_LARGE, BodyLimit
+from hotprefix.server.limits import BodyLimit
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import TenantRegistry
 
@@ -65,8 +65,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         state.metrics.rejected.labels(str(status)).inc()
 
     app.add_middleware(BodyLimit, max_bytes=server_config.max_request_bytes,
-                       on_reject=lambda: count_rejected(413),
-                       shape=lambda path, msg: errors.shaped_body(path, 413, msg, TOO_LARGE))
+                       on_reject=lambda: count_rejected(413), shape=errors.too_large_body)
     errors.install(app, count_rejected)
     for module in (generate, messages, cache_routes, ops_routes, dashboard):
         app.include_router(module.router)

@@ -107,6 +107,11 @@ def shaped_body(path: str, status: int, message: str, code: str | None = None) -
     return error_body(message, code=code)
 
 
+def too_large_body(path: str, message: str) -> dict[str, Any]:
+    """The body limit's 413 (``limits.BodyLimit``) in the shape of the API at ``path``."""
+    return shaped_body(path, 413, message, TOO_LARGE_CODE)
+
+
 def install(app: FastAPI, count_rejected) -> None:
     """Register the error handlers; ``count_rejected(status)`` is called for each refused request."""
 

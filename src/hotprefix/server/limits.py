@@ -34,18 +34,13 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, _message(max_bytes))
 
 
-def _openai_shape(path: str, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": CODE}}
-
-
 class BodyLimit:
     """ASGI middleware: 413 for bodies over ``max_bytes``; ``on_reject()`` is called for each.
-    ``shape(path, message)``: the error's JSON for the route at ``path`` (each API its own shape;
-    OpenAI's by default)."""
+    ``shape(path, message)``: the error's JSON for the route at ``path`` (each API its own shape:
+    ``errors.too_large_body``)."""
 
-    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[], None] | None = None,
-                 shape: Callable[[str, str], dict[str, Any]] = _openai_shape):
+    def __init__(self, app: Any, max_bytes: int, *, shape: Callable[[str, str], dict[str, Any]],
+                 on_reject: Callable[[], None] | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is None and (flags := fleet_cli.flags_given(args)):
         return _error(f"{', '.join(flags)} {'needs' if len(flags) == 1 else 'need'} --replicas "
                       f"(they set up a fleet replay)")
+    if args.capacity_tokens is not None and args.capacity_tokens < args.block_size:
+        return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
     try:
         reqs = traces.load_trace(args.trace, args.block_size, args.limit)
     except OSError as e:
@@ -99,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
     if args.capacity_tokens is None:
         return _error("--capacity-tokens is required (or use --sweep)")
-    if args.capacity_tokens < args.block_size:
-        return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
     name = args.policy or default_policy()
     store = args.kv_store_capacity_tokens
     if store is not None and store < args.block_size:

@@ -68,8 +68,6 @@ def run(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
     weight = RouterConfig.prefill_weight if args.prefill_weight is None else args.prefill_weight
     if not 0.0 <= drop <= 1.0:
         return _error("--drop-events must be in [0, 1]")
-    if args.capacity_tokens < args.block_size:
-        return _error(f"--capacity-tokens must hold at least one block ({args.block_size} tokens)")
     cfg = RouterConfig(policy=router, prefill_weight=weight)
     res = replay_fleet(reqs, args.replicas, args.capacity_tokens, router, args.policy,
                        args.block_size, drop, args.tokens_per_second, cfg,

@@ -58,8 +58,8 @@ class PutItem:
 
     skey: str
     """Storage key (``blob.storage_key``)."""
-    blob: bytes | memoryview
-    """The encoded, checksummed (maybe signed) blob (a view when promoted from a mapped disk read)."""
+    blob: bytes
+    """The encoded, checksummed (maybe signed) blob."""
     ttl_s: float
     """Expiry for tiers that expire entries, seconds."""
     priority: int = 0
@@ -108,9 +108,8 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def get_many(self, skeys: Sequence[str]) -> list[bytes | memoryview | None]:
-        """One round trip: the blob stored under each key (bytes, or a read-only view that stays
-        valid while referenced), or None.
+    def get_many(self, skeys: Sequence[str]) -> list[bytes | None]:
+        """One round trip: the blob stored under each key, or None.
 
         Raises:
             TierError: the medium failed (nothing is returned then).

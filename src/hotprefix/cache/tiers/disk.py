@@ -25,7 +25,6 @@ directory cannot be set up at start, every call retries the setup. Imports no to
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from hotprefix.cache.state_dir import NotARegularFile, open_regular
 from hotprefix.cache.tiers.base import PutItem, Tier, TierError, TierOptions, register
 from hotprefix.cache.tiers.lru import PriorityLRU
 
@@ -51,13 +51,8 @@ def _read_entry(path: Path) -> bytes:
     """An entry file's bytes; ``b""`` (rejected as corrupt) when the path is not a regular file:
     a symlink is not followed, a pipe not waited on."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW), or a loop of them
-            return b""
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+        fd = open_regular(path)
+    except NotARegularFile:
         return b""
     with os.fdopen(fd, "rb", buffering=0) as f:
         return f.read()
@@ -164,9 +159,9 @@ class DiskTier(Tier):
         self.evictions += 1
 
     # ------------------------------------------------------------------ the Tier interface
-    def get_many(self, skeys: Sequence[str]) -> list[bytes | memoryview | None]:
+    def get_many(self, skeys: Sequence[str]) -> list[bytes | None]:
         self._ensure_ready()
-        out: list[bytes | memoryview | None] = []
+        out: list[bytes | None] = []
         for skey in skeys:
             with self._lock:
                 priority = self._order.priority(skey)

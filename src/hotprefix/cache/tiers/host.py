@@ -55,9 +55,7 @@ class HostTier(Tier):
                 for k in victims:
                     self._remove(k)
                     self.evictions += 1
-                # an owned copy of a view (a disk tier's mapped file, promoted here): the budget
-                # counts these bytes, and a view would keep its whole mapping alive
-                self._blobs[it.skey] = it.blob if isinstance(it.blob, bytes) else bytes(it.blob)
+                self._blobs[it.skey] = it.blob
                 self._order.add(it.skey, len(it.blob), it.priority)
                 written += len(it.blob)
         return written

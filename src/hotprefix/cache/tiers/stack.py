@@ -64,7 +64,7 @@ class _WriteJob:
     priority: int
     entry: TierEntry | None = None
     payload: bytes | None = None
-    blob: bytes | memoryview | None = None
+    blob: bytes | None = None
 
 
 class TierStack:
@@ -142,7 +142,7 @@ class TierStack:
         t0 = time.monotonic()
         end = None if deadline_s is None else t0 + deadline_s
         skeys = [storage_key(self.layout, e.key) for e in entries]
-        found: list[tuple[int, bytes | memoryview] | None] = [None] * n
+        found: list[tuple[int, bytes] | None] = [None] * n
         asked: list[list[int]] = [[] for _ in self._tiers]
         missing = list(range(n))
         for ti, (tier, health) in enumerate(zip(self._tiers, self._health)):
