@@ -23,9 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define CH 16        /* keys per chunk */
 #define QB 8         /* query vectors scored together: independent FMA chains */
@@ -34,7 +32,7 @@
 #define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
 #define PV_VECS 4  /* query vectors sharing each value row's loads (4 x 4 accumulators) */
-#ifdef __AVX512F__ /* whether chunk_update's vector path runs (it reads V, and a decode's K, itself) */
+#ifdef HP_AVX512 /* whether chunk_update's vector path runs (it reads V, and a decode's K, itself) */
 #define VECTOR_UPDATE(hd, portable) (!(portable) && (hd) % 64 == 0)
 #else
 #define VECTOR_UPDATE(hd, portable) 0
@@ -84,7 +82,7 @@ static inline float exp_le0(float x) {
     return x >= -86.0f ? p : 0.0f;
 }
 
-#ifdef __AVX512F__
+#ifdef HP_AVX512
 static inline __m512 widen16(const void *cache, int64_t i) {
     __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -153,7 +151,7 @@ static inline void keys_transposed16(__m512 *r, const void *kc, int bf16, const 
  * runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
 static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t hd,
                        const int64_t *kb, int64_t nk, int portable) {
-#ifdef __AVX512F__
+#ifdef HP_AVX512
     if (!portable && hd % CH == 0) {
         const int copy_v = !VECTOR_UPDATE(hd, portable);
         for (int64_t db = 0; db < hd; db += CH) {
@@ -180,7 +178,7 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
     }
 }
 
-#ifdef __AVX512F__
+#ifdef HP_AVX512
 /* s[b][k] for nb (a constant where inlined) query vectors: one FMA chain over d per key. */
 static inline __attribute__((always_inline)) void scores_avx(const float *qs, const float *kt,
                                                              int64_t hd, __m512 *s, const int nb) {
@@ -251,7 +249,7 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
                          const void *vc, int bf16, const int64_t *kb, int64_t nk, int64_t hd,
                          int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
                          float *m, float *l, float *acc, int portable) {
-#ifdef __AVX512F__
+#ifdef HP_AVX512
     if (VECTOR_UPDATE(hd, portable)) {
         __m512 s[QB];
         if (nq <= QB / 2) { /* a decode's few vectors: a chain each, kt unused */

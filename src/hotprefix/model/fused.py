@@ -41,17 +41,20 @@ import torch
 
 from hotprefix.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.isa import BY_NAME, ISA_ENV, IsaLevel, best_level, compile_flags, requested_level
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
-"""The elementwise kernels, attention, the ``gguf`` weight mode's GEMM and layer calls
-(``qlinear.py``), and the logits' top-k and argmax."""
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
-          "-fPIC", "-shared"]
+           for f in ("isa.c", "fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
+"""The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
+(``qlinear.py``), attention, and the logits' top-k and argmax."""
+HEADERS = [Path(__file__).with_name("isa.h")]
+"""Included by the sources (the vector path each level compiles): part of the build key."""
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
-the libgomp torch already loaded (same soname), so both share one thread pool."""
+the libgomp torch already loaded (same soname), so both share one thread pool. The level's -march
+flags come from ``isa.compile_flags``."""
 C_ATTN_CHUNK = 16
 """Keys per chunk of ``attn.c`` (its ``CH``): a row's result depends on this grid, so it is part of
 the numerics tag."""
@@ -89,13 +92,16 @@ _SIGNATURES = {  # name -> (argument types, return type)
 }
 
 
-def _build(cc: str) -> Path:
-    """Compile the source to a cached shared object (atomic rename: concurrent builds are safe)."""
+def _build(cc: str, level: IsaLevel) -> Path:
+    """Compile the source for ``level`` to a cached shared object (atomic rename: concurrent
+    builds are safe)."""
+    flags = [*CFLAGS, *compile_flags(level)]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [*(s.read_text() for s in SOURCES), *CFLAGS, version, " ".join(sorted(cpu_flags()))]
+    parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), *flags, version,
+             " ".join(sorted(cpu_flags()))]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     for d in (cache_dir("kernels"), Path(tempfile.gettempdir()) / "hotprefix-kernels"):
-        out = d / f"fused-{key}.so"
+        out = d / f"fused-{level.name}-{key}.so"
         if out.exists():
             return out
         try:
@@ -105,7 +111,7 @@ def _build(cc: str) -> Path:
         except OSError:
             continue
         try:
-            subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
+            subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, text=True, timeout=300)
             os.replace(tmp, out)
             return out
@@ -115,15 +121,34 @@ def _build(cc: str) -> Path:
     raise OSError("no writable directory for the compiled kernels")
 
 
+def library(level: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels for ``level`` (an ``isa.LEVELS`` name the CPU runs; None: the level
+    ``isa.requested_level`` picks, logged once), or None (logged once) where they cannot be built
+    or loaded. The library's ``isa`` attribute names the level it compiled."""
+    if level is None:
+        chosen = requested_level()
+        if chosen.name not in _LOGGED:
+            _LOGGED.add(chosen.name)
+            best = best_level()
+            why = (f"${ISA_ENV}={chosen.name}" if chosen != best else
+                   "the best this CPU runs (flags: "
+                   + (", ".join(sorted(chosen.needs)) or "no AVX2+FMA") + ")")
+            log.info("kernels: ISA level %s, %s", chosen.name, why)
+        level = chosen.name
+    return _library(level)
+
+
+_LOGGED: set[str] = set()
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (logged once) where they cannot be built or loaded."""
+def _library(level: str) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: the decoder's elementwise work runs as torch ops")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = ctypes.CDLL(str(_build(cc, BY_NAME[level])))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("fused kernels unavailable (%s): the elementwise work runs as torch ops", detail)
@@ -131,11 +156,16 @@ def library() -> ctypes.CDLL | None:
     return bind(lib)
 
 
+library.cache_clear = _library.cache_clear  # forget the loaded builds (tests rebuild)
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with the kernels' argument and return types set (a build of ``SOURCES``)."""
     for name, (args, result) in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = result
+    lib.hp_isa_level.restype = ctypes.c_char_p
+    lib.isa = lib.hp_isa_level().decode()
     return lib
 
 

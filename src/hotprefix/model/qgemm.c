@@ -21,10 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define QG_VNNI 1
-#endif
+#include "isa.h"
 
 #define QG_BLOCK 32
 #define QG_LANES 16
@@ -78,7 +75,7 @@ static void quantize_block_c(const float *v, int16_t *q, float *sa, float *sq) {
     *sq = (float)sum;
 }
 
-#ifdef QG_VNNI
+#ifdef HP_AVX512
 /* quantize_block_c with AVX-512, value for value: the same IEEE products and roundings, and max
  * and min ordered so that a NaN is treated as fmaxf / fminf treat it (MAXPS returns its second
  * operand when either is NaN). */
@@ -169,7 +166,7 @@ static void group_rows_c(const uint8_t *wg, int bits, int64_t nb, const int16_t 
     }
 }
 
-#ifdef QG_VNNI
+#ifdef HP_AVX512
 static inline __attribute__((always_inline)) void group_rows_vnni(
     const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {

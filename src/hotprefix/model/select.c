@@ -8,9 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define SEL_PAR_MIN 4 /* rows from which threads share the rows */
 
@@ -38,7 +36,7 @@ static void top_k_row(const float *x, int64_t n, int64_t k, int64_t *idx) {
     for (; i < k; i++) insert(val, idx, &len, k, x[i], i);
     /* later values enter only above the k-th: strictly greater (an equal one has a higher index),
      * or a NaN while the k-th is a number */
-#ifdef __AVX512F__
+#ifdef HP_AVX512
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
         const float t = val[k - 1];
@@ -66,7 +64,7 @@ int select_top_k(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *id
 /* The index of row x [n]'s highest-ranked value (n >= 1). */
 static int64_t argmax_row(const float *x, int64_t n) {
     int64_t best = 0, i = 1;
-#ifdef __AVX512F__
+#ifdef HP_AVX512
     /* the largest number and whether a NaN is present, 16 lanes at a time; then its first index */
     if (n >= 16) {
         __m512 mx = _mm512_loadu_ps(x);
