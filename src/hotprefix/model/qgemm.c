@@ -25,7 +25,11 @@
 
 #define QG_BLOCK 32
 #define QG_LANES 16
+#ifdef HP_AVX2
+#define QG_ROWS 8        /* rows sharing one pass over a weight block (a row's sum: one register) */
+#else
 #define QG_ROWS 6        /* rows sharing one pass over a weight block */
+#endif
 #define QG_ROW_SPAN 192  /* rows whose activations stay in L2 while the groups stream (a multiple of QG_ROWS) */
 #define QG_QMAX 32767.0f
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
@@ -104,6 +108,45 @@ static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, flo
     }
 }
 #define quantize_block quantize_block_avx
+#elif defined(HP_AVX2)
+/* quantize_block_c with AVX2, value for value (the AVX-512 version's steps on 8 lanes). */
+static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, float *sq) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), m); /* a NaN lane keeps m */
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    if (amax > 0.0f && isfinite(amax)) {
+        const __m256 inv = _mm256_set1_ps(QG_QMAX / amax), lo = _mm256_set1_ps(-QG_QMAX),
+                     hi = _mm256_set1_ps(QG_QMAX);
+        __m256i t[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(x[i], inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            sum = _mm256_add_epi32(sum, t[i]);
+        }
+        /* packs works within 128-bit halves: reorder the 64-bit quarters back */
+        _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(t[0], t[1]), 0xd8));
+        _mm256_storeu_si256((__m256i *)(q + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(t[2], t[3]), 0xd8));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        *sq = (float)_mm_cvtsi128_si32(s4);
+        *sa = amax / QG_QMAX;
+    } else {
+        memset(q, 0, QG_BLOCK * sizeof(int16_t));
+        *sa = amax > 0.0f ? amax : 0.0f;
+        *sq = 0.0f;
+    }
+}
+#define quantize_block quantize_block_avx2
 #else
 #define quantize_block quantize_block_c
 #endif
@@ -239,6 +282,94 @@ static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *q
         switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6) }
     } else {
         switch (nr) { QG_CASE(8, 1) QG_CASE(8, 2) QG_CASE(8, 3) QG_CASE(8, 4) QG_CASE(8, 5) QG_CASE(8, 6) }
+    }
+}
+#elif defined(HP_AVX2)
+/* acc += the int16 pairs' products of w and p (vpdpwssd with AVX-VNNI, else vpmaddwd + vpaddd:
+ * the same exact integer sums) */
+#ifdef HP_AVXVNNI
+#define QG_DOT(acc, w, p) _mm256_dpwssd_avx_epi32((acc), (w), (p))
+#else
+#define QG_DOT(acc, w, p) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (p)))
+#endif
+
+/* group_rows_vnni on 256-bit vectors: a group's 16 lanes are two halves (lanes 0-7 from bytes
+ * 0-15 of each 32-byte chunk, lanes 8-15 from bytes 16-31). The integer sums are exact, the float
+ * steps per output those of group_rows_c, in its order. */
+static inline __attribute__((always_inline)) void group_rows_avx2(
+    const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
+    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
+    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    const __m256i low4 = _mm256_set1_epi16(0x0f);
+    __m256 acc[QG_ROWS][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * stride;
+        const int16_t *ab = qa + b * QG_BLOCK;
+        if (fetch)
+            for (int64_t off = 0; off < stride; off += 64)
+                _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
+        /* one half of the lanes at a time: a row's integer sum is one register (no spills with
+         * six rows), the activation pairs broadcast again for the second half */
+        for (int h = 0; h < 2; h++) {
+            __m256i s[QG_ROWS];
+            for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_si256();
+            if (bits == 4) {
+                for (int j = 0; j < 8; j++) {
+                    const __m256i w = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(blk + 32 * j + 16 * h)));
+                    const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_srli_epi16(w, 4);
+                    for (int r = 0; r < nr; r++) {
+                        int32_t p0, p1;
+                        memcpy(&p0, ab + r * k + 2 * j, 4);
+                        memcpy(&p1, ab + r * k + 2 * j + 16, 4);
+                        s[r] = QG_DOT(QG_DOT(s[r], lo, _mm256_set1_epi32(p0)), hi, _mm256_set1_epi32(p1));
+                    }
+                }
+            } else {
+                for (int j = 0; j < 16; j++) {
+                    const __m256i w = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(blk + 32 * j + 16 * h)));
+                    for (int r = 0; r < nr; r++) {
+                        int32_t p;
+                        memcpy(&p, ab + r * k + 2 * j, 4);
+                        s[r] = QG_DOT(s[r], w, _mm256_set1_epi32(p));
+                    }
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32 + 16 * h)));
+            for (int r = 0; r < nr; r++) {
+                const __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s[r]),
+                                                 _mm256_mul_ps(m, _mm256_set1_ps(sq[r * nb + b])));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(sa[r * nb + b]), c, acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        if (lanes == QG_LANES) {
+            _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+        } else {
+            float t[QG_LANES];
+            _mm256_storeu_ps(t, acc[r][0]);
+            _mm256_storeu_ps(t + 8, acc[r][1]);
+            memcpy(y + r * ldy, t, (size_t)lanes * sizeof(float));
+        }
+    }
+}
+
+#define QG_CASE(B, R) \
+    case R: group_rows_avx2(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
+static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+                       const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
+                       int lanes, int fetch) {
+    if (bits == 4) {
+        switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6)
+                      QG_CASE(4, 7) QG_CASE(4, 8) }
+    } else {
+        switch (nr) { QG_CASE(8, 1) QG_CASE(8, 2) QG_CASE(8, 3) QG_CASE(8, 4) QG_CASE(8, 5) QG_CASE(8, 6)
+                      QG_CASE(8, 7) QG_CASE(8, 8) }
     }
 }
 #else
