@@ -14,11 +14,15 @@ from gguf.quants import dequantize, quantize
 
 from hotprefix import SamplingParams
 from hotprefix.model.fused import library
-from hotprefix.model.qlinear import (BlockRows, QuantLayers, QuantLinear, QuantWeight, quantize_rows,
-                                     unpack_gguf_blocks)
+from hotprefix.model.isa import runnable_levels
+from hotprefix.model.qlinear import (BlockRows, QuantLayers, QuantLinear, QuantWeight,
+                                     fast_block_kernels, quantize_rows, unpack_gguf_blocks)
 
 LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
+LEVELS = [lv.name for lv in runnable_levels()]
+"""Every ISA level this CPU executes (``isa.runnable_levels``): each vector path is tested here
+against the portable reference; levels the CPU lacks are tested on the machines that have them."""
 
 
 def make_blocks(kind: str, n: int, k: int, seed: int = 0,
@@ -82,15 +86,20 @@ def test_product_is_within_16_bit_activation_rounding_of_exact(kind):
     assert y.shape == (37, 72) and y.dtype == torch.float32
 
 
-def test_row_bits_do_not_depend_on_neighbours_threads_or_path():
+@pytest.mark.parametrize("level", LEVELS)
+def test_row_bits_do_not_depend_on_neighbours_threads_or_path(level):
+    """At each ISA level: a row's bits alone, in any slice (tiles of 6 or 8 rows cut anywhere),
+    on one thread, and equal to the portable reference's; a group's partial last lanes (n = 200,
+    40) included."""
     kind, raw, _ = make_blocks("Q4_1", 200, 576, seed=3)
     w8 = QuantWeight([make_blocks("Q8_0", 40, 576, seed=4)[:2]], 576)
     w4 = QuantWeight([(kind, raw)], 576)
-    lin = QuantLinear(LIB, None)
+    lin = QuantLinear(library(level), None)
     x = torch.randn(130, 576)
+    x[5, :32] *= 1e6  # one block far above the rest
     for w in (w4, w8):
         full = lin(x, w, None)
-        for lo, hi in [(7, 8), (3, 8), (0, 6), (5, 18), (60, 130)]:
+        for lo, hi in [(7, 8), (3, 8), (0, 6), (5, 18), (60, 130), (1, 10), (2, 17)]:
             assert torch.equal(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
         torch.set_num_threads(1)
         try:
@@ -98,10 +107,12 @@ def test_row_bits_do_not_depend_on_neighbours_threads_or_path():
         finally:
             torch.set_num_threads(2)
         assert torch.equal(lin.reference(x[:13], w), full[:13])  # the portable path: same bits
+        assert torch.equal(QuantLinear(library("portable"), None)(x, w, None), full)
 
 
-def test_activation_quantization_vector_path_gives_the_portable_bits():
-    """The AVX-512 quantization against the C reference, value for value, on hostile rows: ties
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_quantization_vector_path_gives_the_portable_bits(level):
+    """Each level's quantization against the C reference, value for value, on hostile rows: ties
     at .5 (round half to even), a block whose every product is exact, blocks of zeros, subnormals, huge values, a lone NaN (ignored by
     the block's max, clamped to -32767 like fmaxf/fminf do), infinities (the block zeroed, its scale
     inf), and 37 ordinary rows so both thread paths run."""
@@ -115,7 +126,8 @@ def test_activation_quantization_vector_path_gives_the_portable_bits():
     x[5, 40] = float("inf")
     x[6, 100] = float("-inf")
     x[6, 101] = float("nan")
-    got, ref = quantize_rows(LIB, x, 2), quantize_rows(LIB, x, 1, portable=True)
+    lib = library(level)
+    got, ref = quantize_rows(lib, x, 2), quantize_rows(lib, x, 1, portable=True)
     for a, b in zip(got, ref):
         assert torch.equal(a.view(torch.int16) if a.dtype == torch.int16 else a.view(torch.int32),
                            b.view(torch.int16) if b.dtype == torch.int16 else b.view(torch.int32))
@@ -125,7 +137,7 @@ def test_activation_quantization_vector_path_gives_the_portable_bits():
     assert torch.equal(qa[0, :32].abs().max(), torch.tensor(32767, dtype=torch.int16))
     assert qa[0, :32].tolist() == [2114 * i - 32767 for i in range(32)]
     half = torch.tensor([[0.5, 1.5, 2.5, -0.5] + [0.0] * 27 + [32767.0]])
-    assert quantize_rows(LIB, half, 1)[0][0, :4].tolist() == [0, 2, 2, 0]  # ties to even
+    assert quantize_rows(lib, half, 1)[0][0, :4].tolist() == [0, 2, 2, 0]  # ties to even
 
 
 def test_zero_and_non_finite_blocks():
@@ -175,7 +187,8 @@ def test_real_model_blocks_hold_the_loaded_weights():
 
 @pytest.mark.model
 def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
-    """The default takes the gguf mode on a CPU with AVX-512 VNNI (else mixed, silently); asked
+    """The default takes the gguf mode on a CPU whose kernels have a vector path (AVX2+FMA or
+    better; else mixed, silently); asked
     for on a model without GGUF blocks it runs mixed and says so. Each has its own namespace."""
     import hotprefix.model.linear as linear
     from hotprefix import LLM
@@ -186,7 +199,9 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
         assert isinstance(model.layers[0]["gate_up"], QuantWeight)
         assert isinstance(model.lm_head, QuantWeight) and model.lm_head.bits == 8
         assert isinstance(model.embed, BlockRows)  # no fp32 copy of the tied embedding
-    monkeypatch.setattr(linear, "vnni_available", lambda: False)
+    assert (model.weight_mode == "gguf") == fast_block_kernels()
+    assert f"/isa-{LIB.isa}" in model.numerics
+    monkeypatch.setattr(linear, "fast_block_kernels", lambda: False)
     mixed = LLM(kv_cache_memory="32MiB", num_threads=2)
     assert mixed.engine.runner.model.weight_mode == "mixed"
     assert mixed.engine.namespace != real_llm.engine.namespace or model.weight_mode == "mixed"

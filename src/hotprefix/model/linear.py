@@ -4,7 +4,7 @@ kernel is batch-invariant.
 
 Weight modes (``--weights``):
 
-- ``gguf`` (what ``auto`` means on a CPU with AVX-512 VNNI in a 16-bit dtype, for a GGUF model):
+- ``gguf`` (what ``auto`` means on a CPU with AVX2+FMA or better, for a GGUF model):
   the file's own Q4_0 / Q4_1 / Q8_0 blocks multiplied with activations rounded to 16-bit integers
   per block of 32 (``qlinear.py``); tensors of other types run as in ``mixed``.
 - ``dense`` (alias ``bf16``): weights in the compute dtype. On CPU in fp32 they are prepacked for
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from hotprefix.config import WEIGHT_MODES  # noqa: F401  (re-exported)
 from hotprefix.model.dtype_probe import cpu_flags
-from hotprefix.model.qlinear import vnni_available
+from hotprefix.model.qlinear import fast_block_kernels
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,22 @@ def _fp16_linear(x: torch.Tensor, w: Fp16Weight, b: torch.Tensor | None) -> torc
     return y if b is None else y + b
 
 
+FP16_PROBE_ROWS = (1, 2, 3, 7, 8, 17, 32, 64, 200, 300)
+"""Row counts at which the fp16-weight GEMM's rows are compared with the same rows of a
+300-row product (FBGEMM's AVX2 kernels change a row's bits at 1, 2, 7, 32 and 200 rows; its
+AVX-512 ones at none)."""
+
+
 @functools.cache
 def fp16_weights_available() -> bool:
+    """Whether the mixed mode holds fp16 weights: this torch build has the fp16-weight GEMM
+    (``fp16_gemm_exists``) and its rows keep their bits at every row count probed
+    (``fp16_rows_invariant``: cold == warm needs it; where it fails the weights are held in fp32)."""
+    return fp16_gemm_exists() and fp16_rows_invariant()
+
+
+@functools.cache
+def fp16_gemm_exists() -> bool:
     """Whether this torch build multiplies fp32 activations with fp16-held weights on CPU (FBGEMM,
     x86 builds), checked on a small product against fp32 arithmetic on the fp16-rounded weight."""
     try:
@@ -160,6 +174,21 @@ def fp16_weights_available() -> bool:
         return y.dtype == torch.float32 and torch.allclose(y, x @ w.half().float().T, atol=1e-4)
     except (AttributeError, RuntimeError):
         return False
+
+
+def fp16_rows_invariant() -> bool:
+    """Whether the fp16-weight GEMM gives each row the same bits at every row count probed."""
+    g = torch.Generator().manual_seed(1)
+    w = Fp16Weight(torch.randn(576, 1536, generator=g) * 0.05)
+    x = torch.randn(FP16_PROBE_ROWS[-1], 1536, generator=g)
+    full = _fp16_linear(x, w, None)
+    for m in FP16_PROBE_ROWS:
+        if not (torch.equal(_fp16_linear(x[:m], w, None), full[:m])
+                and torch.equal(_fp16_linear(x[-m:], w, None), full[-m:])):
+            log.info("fp16-weight GEMM not row-invariant on this CPU (at %d rows): the mixed "
+                     "mode holds its weights in fp32", m)
+            return False
+    return True
 
 
 def high_linear(device: torch.device) -> tuple[Callable, Callable, str]:
@@ -176,14 +205,14 @@ def resolve_weights(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """The weight mode to run.
 
     ``auto`` is, when the compute dtype is 16-bit, ``gguf`` on a CPU whose vector path runs the
-    block kernel (``qlinear.vnni_available``; the model falls back to ``mixed`` without GGUF blocks)
+    block kernel (``qlinear.fast_block_kernels``: AVX2+FMA or better; the model falls back to ``mixed`` without GGUF blocks)
     and ``mixed`` elsewhere, and ``dense`` in fp32: the default keeps >= 99% top-1 agreement with
     an fp32 reference (``benchmarks/bench_quality.py``). ``bf16`` means
     dense (every GEMM in the compute dtype: the fastest to prefill on this project's CPU, about 1
     point of top-1 below fp32 in bf16). ``mixed`` in fp32 is dense. The quantized modes run on CPU
     only.
     """
-    if mode == "auto" and dtype != torch.float32 and device.type == "cpu" and vnni_available():
+    if mode == "auto" and dtype != torch.float32 and device.type == "cpu" and fast_block_kernels():
         return "gguf"
     if mode in ("auto", "mixed"):
         return "dense" if dtype == torch.float32 else "mixed"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention, write_kv)
-from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.isa import BY_NAME
 from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, library
 from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
@@ -76,6 +76,12 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def c_attention_fast(lib) -> bool:
+    """Whether ``attn.c`` has a vector path at the level ``lib`` was built for (the default
+    attention there); the portable path gives the same bits, slower than torch's kernel."""
+    return BY_NAME[lib.isa].fast_gemm
+
+
 class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
@@ -115,9 +121,9 @@ class LlamaModel:
         self.fused = (fused_ops(fused_kernels, device, dtype, arch.rms_norm_eps, arch.num_heads,
                                 arch.num_kv_heads, arch.head_dim)
                       if self.attn_dtype == torch.float32 else None)
-        # attention read straight from the pool in C (attn.c) where the kernels build with
-        # AVX-512; else torch's kernel on K/V gathered into scratch reused across layers and steps
-        self.c_attention = self.fused is not None and "avx512f" in cpu_flags()
+        # attention read straight from the pool in C (attn.c) where the kernels' level has its
+        # vector path; else torch's kernel on K/V gathered into scratch reused across layers and steps
+        self.c_attention = self.fused is not None and c_attention_fast(self.fused.lib)
         self.all_layers_call = True
         """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
         one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
@@ -127,12 +133,15 @@ class LlamaModel:
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
+        clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
-                         + ("/fused" if self.fused else ""))
+                         + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else ""))
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
-        segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), and whether
-        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently)."""
+        segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
+        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently), and
+        the ISA level the C kernels were built for (``isa``: every level gives the portable path's
+        bits, tested, but the torch operators around them may not, so levels do not share)."""
 
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):

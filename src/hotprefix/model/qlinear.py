@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hotprefix.model.dtype_probe import cpu_flags
+from hotprefix.model.isa import requested_level
 from hotprefix.model.fused import check_attention
 
 BLOCK = 32
@@ -187,10 +187,11 @@ class QuantLinear:
         return y
 
 
-def vnni_available() -> bool:
-    """Whether this CPU runs the kernel's vector path (AVX-512 VNNI and BW); elsewhere the portable
-    C path gives the same bits, too slowly to be a default."""
-    return {"avx512_vnni", "avx512bw", "avx512f"} <= cpu_flags()
+def fast_block_kernels() -> bool:
+    """Whether the kernels' ISA level (``isa.requested_level``: AVX2+FMA, AVX-VNNI or AVX-512
+    VNNI) runs the block GEMM's vector path; elsewhere the portable C path gives the same bits,
+    too slowly to be a default."""
+    return requested_level().fast_gemm
 
 
 class QuantLayers:
