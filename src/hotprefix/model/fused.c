@@ -95,10 +95,13 @@ int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, i
 }
 
 /* exp(x) by Cody-Waite range reduction and a degree-5 polynomial (Cephes expf): about 1 ulp,
- * plain IEEE operations only, so it vectorizes and gives the same bits everywhere. */
-static inline float exp_poly(float x) {
-    x = x > 88.3762626647949f ? 88.3762626647949f : x;
-    x = x < -87.3365447504019f ? -87.3365447504019f : x;
+ * plain IEEE operations only, so it vectorizes and gives the same bits everywhere. x is clamped
+ * to [lo, hi] (EXP_LO, EXP_HI: see silu_mul). */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504019f
+static inline float exp_poly(float x, float hi, float lo) {
+    x = x > hi ? hi : x;
+    x = x < lo ? lo : x;
     /* n = round(x / ln 2) by the 1.5 * 2^23 trick: plain adds, so the loop vectorizes */
     float fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     x = x - fx * 0.693359375f;
@@ -118,13 +121,20 @@ static inline float exp_poly(float x) {
     return y * p;
 }
 
-/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = silu(gate) * up. */
+/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = silu(gate) * up.
+ * exp's clamps are read through a volatile: with them as constants the compiler splits the loop
+ * body into the two clamped paths (folded to constants) and the polynomial's, and, as FP
+ * operations may trap (-ftrapping-math, the default), no longer vectorizes it: 7 ns a value on
+ * one thread, against 1 vectorized for AVX2 and 2 for x86-64-v2, with the same bits (every gate's
+ * bit pattern checked against the unvectorized build). */
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads) {
+    volatile float clamp_hi = EXP_HI, clamp_lo = EXP_LO;
+    const float hi = clamp_hi, lo = clamp_lo;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i], hi, lo)) * u[i];
     }
 }
 
