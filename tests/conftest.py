@@ -52,6 +52,32 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def real_layers_dir(tmp_path_factory, default_tokenizer) -> str:
+    """The real default model cut to its first 2 layers (its weights dequantized, its tokenizer)
+    as a Hugging Face directory: the real shapes and activations for a weight mode's kernels, at
+    a fifteenth of the layers (the int8 and int4 modes run torch's kernels, slow on AVX2)."""
+    from safetensors.torch import save_file
+
+    from hotprefix.model.loader import load_model
+
+    loaded = load_model(None)
+    a, layers = loaded.arch, 2
+    cfg = dict(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+               num_hidden_layers=layers, num_attention_heads=a.num_heads,
+               num_key_value_heads=a.num_kv_heads, max_position_embeddings=a.max_position,
+               rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+               tie_word_embeddings=a.tie_word_embeddings, model_type="llama",
+               vocab_size=a.vocab_size, architectures=["LlamaForCausalLM"])
+    d = tmp_path_factory.mktemp("real-layers")
+    (d / "config.json").write_text(json.dumps(cfg))
+    keep = [n for n in loaded.weights if not n.startswith("model.layers.")
+            or int(n.split(".")[2]) < layers]
+    save_file({n: loaded.weights[n].float().contiguous() for n in keep}, str(d / "model.safetensors"))
+    default_tokenizer.save_json(str(d / "tokenizer.json"))
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def real_llm():
     """The real default model, shared by the tests that need it (prefix caching on)."""
     from hotprefix import LLM

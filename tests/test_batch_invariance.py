@@ -166,8 +166,12 @@ def test_torch_attention_with_fused_kernels_cold_equals_warm(real_llm, monkeypat
 
 @pytest.mark.model
 @pytest.mark.parametrize("weights", ["int8", "int4", "dense", "gguf"])
-def test_other_weight_modes_greedy_cold_warm_batched(weights):
-    llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights=weights)
+def test_other_weight_modes_greedy_cold_warm_batched(weights, real_layers_dir):
+    """Each weight mode: greedy tokens warm == batched == cold. int8 and int4 run torch's kernels
+    (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; minutes a prompt set on an AVX2
+    CPU) on the real model's first 2 layers: the same shapes and kernels, a fifteenth the work."""
+    model_path = real_layers_dir if weights in ("int8", "int4") else None
+    llm = LLM(model=model_path, kv_cache_memory="64MiB", num_threads=2, weights=weights)
     model = llm.engine.runner.model
     assert model.weight_mode == weights
     assert model.fp32_ops <= {"head"} or weights == "gguf"
