@@ -180,6 +180,27 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16")
+"""The CPU flags that decide the kernels' level and the dtype probe: printed with every figure."""
+
+
+def cpu_description() -> str:
+    """``model name; flags: ...; kernels: LEVEL`` of this machine (the level $HOTPREFIX_ISA forces,
+    or the best the CPU runs)."""
+    from hotprefix.model.dtype_probe import cpu_flags
+    from hotprefix.model.isa import requested_level
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = [fl for fl in ISA_FLAGS if fl in cpu_flags()]
+    return f"{name}; flags: {' '.join(flags) or 'none of ' + '/'.join(ISA_FLAGS[:3])}; kernels: {requested_level().name}"
+
+
 def environment(threads: int, quick: bool) -> dict[str, Any]:
     import torch
 
@@ -190,7 +211,8 @@ def environment(threads: int, quick: bool) -> dict[str, Any]:
         tv = None
     return {"quick": quick, "threads": threads, "torch": torch.__version__, "transformers": tv,
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "load_avg_at_start": list(os.getloadavg()),
+            "cpu_count": os.cpu_count(), "cpu": cpu_description(),
+            "load_avg_at_start": list(os.getloadavg()),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
