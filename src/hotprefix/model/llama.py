@@ -24,6 +24,7 @@ from hotprefix.model.linear import (fp16_weights_available, high_linear, invaria
 from hotprefix.model.loader import ModelArch
 from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
                                      QuantWeight, block_columns)
+from hotprefix.model.rope import inverse_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ rows), where it streams faster than a bf16 or int4 head, and its logits are thos
 
 
 class RotaryEmbedding:
-    """cos/sin tables (Hugging Face rotate-half layout) computed once up to max_position."""
+    """cos/sin tables (Hugging Face rotate-half layout) computed once up to max_position, in
+    float64 and then rounded to ``dtype``; ``freq_factors`` divide the frequencies (llama3 RoPE
+    scaling, ``ModelArch.rope_freq_factors``)."""
 
-    def __init__(self, head_dim: int, theta: float, max_position: int, device, dtype):
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    def __init__(self, head_dim: int, theta: float, max_position: int, device, dtype,
+                 freq_factors: tuple[float, ...] | None = None):
+        inv = inverse_frequencies(head_dim, theta, freq_factors)
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -177,7 +181,8 @@ class LlamaModel:
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
                 ).to(device=device, dtype=torch.float32 if "qkv" in self.fp32_ops else dtype)
             self.layers.append(layer)
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device, torch.float32)
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device,
+                                    torch.float32, arch.rope_freq_factors)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5

@@ -5,7 +5,7 @@ Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...) in Hugging F
 model code has one layout to know. The model fingerprint (a hash of the weight bytes and the
 architecture) is part of the prefix cache's namespace: a new checkpoint never reuses an old
 checkpoint's blocks. Finding the file (``resolve_model_path``) and reading its KV shape without
-torch live in ``metadata.py``.
+torch live in ``metadata.py``; the RoPE base and llama3 scaling factors are read by ``rope.py``.
 
 This module knows nothing about tokenization, scheduling or the KV cache.
 """
@@ -27,6 +27,7 @@ import torch
 from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
                                       resolve_model_path)
 from hotprefix.model.qlinear import BLOCK, GGUF_TYPES
+from hotprefix.model.rope import gguf_freq_factors, hf_rope
 
 __all__ = ["DEFAULT_MODEL_FILE", "SUPPORTED_ARCHS", "LoadedModel", "ModelArch", "ModelLoadError",
            "default_model_path", "load_model", "resolve_model_path"]
@@ -66,6 +67,11 @@ class ModelArch:
     """Q/K/V projections carry a bias (qwen2)."""
     tie_word_embeddings: bool
     """The output head reuses the embedding matrix."""
+    rope_freq_factors: tuple[float, ...] | None = None
+    """Llama 3 RoPE scaling: one divisor per rotary frequency pair (``head_dim // 2``), so that
+    ``inv_freq[i] = rope_theta ** (-2i / head_dim) / rope_freq_factors[i]``: a GGUF's
+    ``rope_freqs.weight``, or computed from a HF ``rope_scaling`` of type llama3
+    (``rope.llama3_freq_factors``). None: no scaling. Part of the fingerprint."""
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -201,6 +207,11 @@ def _load_gguf(path: str) -> LoadedModel:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_heads))
+    scaling = field(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{path}: RoPE scaling type {scaling!r} is not supported (only "
+                             "llama3's, as rope_freqs.weight)")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     arch = ModelArch(
         arch=a, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
@@ -210,10 +221,9 @@ def _load_gguf(path: str) -> LoadedModel:
         max_position=int(field(f"{a}.context_length", 4096)),
         attention_bias="blk.0.attn_q.bias" in names,
         tie_word_embeddings="output.weight" not in names,
+        rope_freq_factors=(None if freqs is None else gguf_freq_factors(
+            dequantize(freqs.data, freqs.tensor_type), head_dim, path)),
     )
-    scaling = field(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"RoPE scaling {scaling!r} is not supported yet")
     permuted = a in ("llama", "mistral", "smollm")  # llama.cpp permutes Q/K for these, not for qwen2
 
     entries: dict[str, tuple] = {}
@@ -231,12 +241,12 @@ def _load_gguf(path: str) -> LoadedModel:
         elif name.startswith("blk."):
             _, idx, kind, suffix = name.split(".", 3)
             if kind not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: unused
+                continue  # no other per-layer tensor is read
             if permuted:
                 heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
             hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
         else:
-            continue
+            continue  # rope_freqs.weight is read into the arch above
         try:  # one row now: an unsupported type fails the load, not a later read
             dequantize(t.data[:1], t.tensor_type)
         except NotImplementedError as e:
@@ -264,8 +274,10 @@ def _load_hf_dir(path: str) -> LoadedModel:
     if mtype not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"unsupported architecture {mtype!r} in {cfg_path}; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
-    if cfg.get("rope_scaling"):
-        raise ModelLoadError(f"RoPE scaling {cfg['rope_scaling']} is not supported yet")
+    n_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    rope_theta, rope_factors = hf_rope(cfg, head_dim, cfg_path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
@@ -275,18 +287,16 @@ def _load_hf_dir(path: str) -> LoadedModel:
     for fpath in files:
         for k, v in load_file(fpath).items():
             weights[k] = v.float()
-    n_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
     arch = ModelArch(
         arch=mtype, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=n_heads, num_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        head_dim=head_dim, rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", "lm_head.weight" not in weights)),
+        rope_freq_factors=rope_factors,
     )
     if "lm_head.weight" not in weights and not arch.tie_word_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and embeddings are not tied")
