@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotprefix.model import fused
+from hotprefix.model import fused, isa
 from hotprefix.model.attention import AttentionMetadata, PrefillSeq
 
 pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler")
@@ -182,27 +182,18 @@ def test_decodes_sharing_a_prefix_are_attended_together_with_each_rows_bits():
 
 
 @pytest.fixture(scope="module")
-def plain_lib(tmp_path_factory):
-    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): their portable paths
-    as the default ones."""
-    import ctypes
-    import platform
-    import shutil
-    import subprocess
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs an x86-64 C compiler")
-    so = tmp_path_factory.mktemp("plain") / "plain.so"
-    flags = [f for f in fused.CFLAGS if f != "-march=native"] + ["-march=x86-64-v2"]
-    subprocess.run([cc, *flags, "-o", str(so), *map(str, fused.SOURCES), "-lm"], check=True,
-                   capture_output=True)
-    return fused.bind(ctypes.CDLL(str(so)))
+def plain_lib():
+    """The portable level's build (``-march=x86-64-v2`` on x86-64): its portable paths as the
+    default ones."""
+    lib = fused.library("portable")
+    if lib is None:
+        pytest.skip("no C compiler: the portable level cannot be built")
+    return lib
 
 
 def test_a_build_without_avx512_gives_the_same_bits(plain_lib):
-    """The kernels built for a CPU without AVX-512 (``-march=x86-64-v2``) against this build, both
-    on their default (non-portable) path: decodes (whose vector path reads K and V from the pool
+    """The portable level's build (``-march=x86-64-v2``) against this build, both on their default
+    (non-portable) path: decodes (whose vector path reads K and V from the pool
     itself) and a prefill, in bf16 and fp32 pools. Guards the paths' split: a build without the
     vector path must still load each chunk for the scalar one."""
     for pool_dtype in (torch.bfloat16, torch.float32):
@@ -233,3 +224,79 @@ def test_a_build_without_avx512_selects_the_same_logits(plain_lib):
         assert ops.argmax(x) == plain.argmax(x) == x.argmax(dim=-1).tolist(), n
         k = min(32, n)
         assert torch.equal(ops.top_k(x, k), plain.top_k(x, k)), n
+
+
+KEY_COUNTS = [1, 15, 16, 17, 255, 256, 257, 1000]  # around the chunk (16) and segment (256) grids
+
+
+def _level_lib(level: str):
+    runnable = [lv.name for lv in isa.runnable_levels()]
+    if level not in runnable:
+        missing = sorted(isa.BY_NAME[level].needs - set(isa.cpu_flags()))
+        pytest.skip(f"this CPU cannot run the {level} level (it lacks {', '.join(missing)}; "
+                    f"it runs {', '.join(runnable)})")
+    lib = fused.library(level)
+    if lib is None:
+        pytest.skip(f"no C compiler: the {level} level cannot be built")
+    assert lib.isa == level
+    return lib
+
+
+def _hostile_pool(nkv, hd, bs, pool_dtype, g):
+    """K and V pools whose blocks mix ordinary, large and tiny (subnormal products) magnitudes;
+    large keys only in the last KV head (they decide its softmax alone)."""
+    def scaled(scales):
+        pick = torch.tensor(scales)[torch.randint(0, len(scales), (NB, 1, nkv, 1), generator=g)]
+        return (torch.randn(NB, bs, nkv, hd, generator=g) * pick).to(pool_dtype)
+    k, v = scaled([1.0, 1.0, 1e-20]), scaled([1.0, 1.0, 30.0, 1e-20, 1e3])
+    k[:, :, -1] = scaled([1.0, 30.0, 1e3, 1e-20])[:, :, -1]
+    return k, v
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hd", [64, 128, 48, 80])  # the vector path's; 48, 80: its fallback
+def test_the_avx2_level_gives_the_portable_bits(hd, pool_dtype):
+    """The AVX2+FMA level's attention (two 8-key halves a chunk) against the portable level and
+    its own portable path, bit for bit: GQA ratios 1, 3 and 4, key counts around the chunk and
+    segment grids, 1 to 6 decodes at once (the decode path that reads K from the pool; those past
+    the first segment share its blocks, attended together), prefill chunks of 9 to 40 rows, query rows
+    of zeros, large and tiny values, and NaN/inf in the pool slots past every sequence's end."""
+    avx2, portable = _level_lib("avx2"), _level_lib("portable")
+    bs, nkv = 16, 2
+    for ratio in (1, 3, 4):
+        nh = nkv * ratio
+        g = torch.Generator().manual_seed(hd * 10 + ratio)
+        clean = _hostile_pool(nkv, hd, bs, pool_dtype, g)
+        calls = [([KEY_COUNTS[(n + i) % 8] for i in range(n)], [1] * n) for n in range(1, 7)]
+        calls.append(([9, 257, 256, 1000, 40], [9, 17, 40, 23, 31]))
+        for keys, rows in calls:  # (key counts, rows per sequence: its last positions)
+            k, v = (t.clone() for t in clean)
+            perm = torch.randperm(NB, generator=g).tolist()
+            shared, free = perm[:16], iter(perm[16:])  # 256 keys: a first segment to share
+            tables = []
+            for n in keys:
+                share = n > 256
+                own = [next(free) for _ in range(-(-n // bs) - 16 * share)]
+                t = (shared if share else []) + own
+                last, used = t[-1], n - (len(t) - 1) * bs  # poison the slots past the sequence
+                k[last, used:], v[last, used:] = float("nan"), float("inf")
+                tables.append(t)
+            width = max(map(len, tables))
+            tab = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            seq = torch.cat([torch.full((r,), i) for i, r in enumerate(rows)])
+            pos = torch.cat([torch.arange(n - r, n) for n, r in zip(keys, rows)])
+            q = torch.randn(len(seq), nh, hd, generator=g)
+            mix = (torch.arange(len(seq))[:, None] + torch.arange(nh)) % 6  # every row some 1s
+            q *= torch.tensor([1.0, 30.0, 1.0, 1e-20, 1.0, 0.0])[mix][..., None]
+            old = torch.get_num_threads()
+            torch.set_num_threads(2)  # decodes split into segments, shared ones attended together
+            try:
+                outs = [fused.FusedOps(lib, 1e-5, nh, nkv, hd).attention(q, k, v, tab, seq, pos,
+                                                                          hd ** -0.5, p)
+                        for lib, p in ((avx2, False), (avx2, True), (portable, False))]
+            finally:
+                torch.set_num_threads(old)
+            what = (hd, pool_dtype, ratio, keys, rows)
+            assert torch.isfinite(outs[0]).all(), what
+            for other in outs[1:]:
+                assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32)), what

@@ -32,7 +32,8 @@
 #define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16 /* query-vector chunks in a call from which threads share the items */
 #define PV_VECS 4  /* query vectors sharing each value row's loads (4 x 4 accumulators) */
-#ifdef HP_AVX512 /* whether chunk_update's vector path runs (it reads V, and a decode's K, itself) */
+/* whether chunk_update's vector path runs (it reads a decode's K and V itself; AVX-512: all V) */
+#if defined(HP_AVX512) || defined(HP_AVX2)
 #define VECTOR_UPDATE(hd, portable) (!(portable) && (hd) % 64 == 0)
 #else
 #define VECTOR_UPDATE(hd, portable) 0
@@ -144,11 +145,105 @@ static inline void keys_transposed16(__m512 *r, const void *kc, int bf16, const 
         r[k] = k < nk ? value16(kc, bf16, kb[k] + db) : _mm512_setzero_ps();
     transpose16(r);
 }
+#elif defined(HP_AVX2) /* a chunk is two halves of 8 keys, a __m256 each */
+/* 8 values of a pool (bf16 or fp32) from element i, as fp32 (bf16 shifted into the high half). */
+static inline __m256 value8(const void *vc, int bf16, int64_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)vc + i);
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint16_t *)vc + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+/* exp_le0 on 8 lanes: the same operations in the same order, so the same bits. */
+static inline __m256 exp_le0_v8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-86.0f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 xc = _mm256_max_ps(x, lo); /* NaN -> -86, as fmaxf */
+    const __m256 n =
+        _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23); /* n is an integer: exact */
+    const __m256 bits = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+    return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), bits);
+}
+
+/* r[i][j] -> r[j][i] for 8 rows of 8 floats. */
+static inline void transpose8(__m256 *r) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    memcpy(r, t, sizeof t);
+}
+
+/* Head dimensions db..db+7 of a chunk's keys (pool rows kb[0..nk), zeros past nk), transposed
+ * into u for key_dim8. bf16 rows are transposed as 16-bit words, loaded in pairs to 128-bit lanes
+ * (keys i | i+4, then i+4 | i+8), so that widening them by unpacking with zeros (value8's shift)
+ * leaves the keys in order; key_dim8 widens each dimension where it is used (fewer registers). */
+static inline __attribute__((always_inline)) void keys_transposed8(__m256i *u, const void *kc,
+                                                                   int bf16, const int64_t *kb,
+                                                                   int64_t nk, int64_t db) {
+    if (!bf16) { /* u[2d + h]: dimension db + d of keys 8h..8h+7 */
+        for (int h = 0; h < 2; h++) {
+            __m256 x[8];
+            for (int k = 0; k < 8; k++)
+                x[k] = 8 * h + k < nk ? _mm256_loadu_ps((const float *)kc + kb[8 * h + k] + db)
+                                      : _mm256_setzero_ps();
+            transpose8(x);
+            for (int d = 0; d < 8; d++) u[2 * d + h] = _mm256_castps_si256(x[d]);
+        }
+        return;
+    }
+    const uint16_t *c = kc;
+    const __m128i zero = _mm_setzero_si128();
+    __m256i a[8], t[8];
+    for (int i = 0; i < 8; i++) {
+        const int k0 = i < 4 ? i : i + 4, k1 = k0 + 4;
+        const __m128i lo = k0 < nk ? _mm_loadu_si128((const __m128i *)(c + kb[k0] + db)) : zero;
+        const __m128i hi = k1 < nk ? _mm_loadu_si128((const __m128i *)(c + kb[k1] + db)) : zero;
+        a[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    for (int i = 0; i < 8; i += 2) { /* rows i, i+1: dimensions 0..3, 4..7 */
+        t[i] = _mm256_unpacklo_epi16(a[i], a[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi16(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* u[i + e]: rows i..i+3 (keys 0..7 or 8..15), dims 2e, 2e+1 */
+        u[i] = _mm256_unpacklo_epi32(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi32(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi32(t[i + 1], t[i + 3]);
+    }
+}
+
+/* Dimension db + d of keys 8h..8h+7, from keys_transposed8's u. */
+static inline __attribute__((always_inline)) __m256 key_dim8(const __m256i *u, int bf16, int d,
+                                                             int h) {
+    if (!bf16) return _mm256_castsi256_ps(u[2 * d + h]);
+    const __m256i w = u[4 * h + d / 2], z = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(d & 1 ? _mm256_unpackhi_epi16(z, w) : _mm256_unpacklo_epi16(z, w));
+}
 #endif
 
 /* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
- * every row's keys: masked, zeros keep the score chains finite). Where chunk_update's vector path
- * runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
+ * every row's keys: masked, zeros keep the score chains finite). Where chunk_update's AVX-512
+ * path runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
 static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t hd,
                        const int64_t *kb, int64_t nk, int portable) {
 #ifdef HP_AVX512
@@ -161,6 +256,20 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
             __m512 r[CH];
             keys_transposed16(r, kc, bf16, kb, nk, db);
             for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
+        }
+        return;
+    }
+#elif defined(HP_AVX2) /* V too: the vector path reads it here when it has many vectors */
+    if (!portable && hd % 8 == 0) {
+        for (int64_t db = 0; db < hd; db += 8) {
+            for (int64_t k = 0; k < CH; k++)
+                _mm256_storeu_ps(vch + k * hd + db,
+                                 k < nk ? value8(vc, bf16, kb[k] + db) : _mm256_setzero_ps());
+            __m256i u[16];
+            keys_transposed8(u, kc, bf16, kb, nk, db);
+            for (int d = 0; d < 8; d++)
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_ps(kt + (db + d) * CH + 8 * h, key_dim8(u, bf16, d, h));
         }
         return;
     }
@@ -241,6 +350,67 @@ static inline __attribute__((always_inline)) void scores_pool_avx(
                 s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + db + d]), r[d], s[b]);
     }
 }
+#elif defined(HP_AVX2)
+/* s[b][h] (keys 8h..8h+7) for nb query vectors (nb, pool constants where inlined): one FMA chain
+ * over d per key, the keys read from kt, or (pool) from the pool and transposed in registers, as
+ * scores_pool_avx does for a decode's few vectors. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *qs, const float *kt, const void *kc, int bf16, const int64_t *kb, int64_t nk,
+    int64_t hd, __m256 (*s)[2], const int nb, const int pool) {
+    for (int b = 0; b < nb; b++) s[b][0] = s[b][1] = _mm256_setzero_ps();
+    for (int64_t db = 0; db < hd; db += 8) {
+        __m256i u[16];
+        if (pool) keys_transposed8(u, kc, bf16, kb, nk, db);
+        for (int d = 0; d < 8; d++) {
+            __m256 r0, r1;
+            if (pool) {
+                r0 = key_dim8(u, bf16, d, 0), r1 = key_dim8(u, bf16, d, 1);
+            } else { /* kept in registers: folded into each FMA (gcc), the loads bound the loop */
+                const float *kd = kt + (db + d) * CH;
+                r0 = _mm256_loadu_ps(kd), r1 = _mm256_loadu_ps(kd + 8);
+                __asm__("" : "+x"(r0), "+x"(r1));
+            }
+            for (int b = 0; b < nb; b++) {
+                const __m256 qd = _mm256_set1_ps(qs[b * hd + db + d]);
+                s[b][0] = _mm256_fmadd_ps(qd, r0, s[b][0]);
+                s[b][1] = _mm256_fmadd_ps(qd, r1, s[b][1]);
+            }
+        }
+    }
+}
+
+/* pv_avx on 8-lane registers, 16 head dimensions a pass (nvec x 2 accumulators, the value rows
+ * and a broadcast within the 16 registers), the value rows at vc + vr[k] (the pool or vch). */
+static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int bf16,
+                                                          const int64_t *vr, int64_t hd,
+                                                          const float (*p)[CH], const float *alpha,
+                                                          const int *nv, int kmin, float **o,
+                                                          const int nvec) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+        __m256 a[PV_VECS][2];
+        for (int v = 0; v < nvec; v++) {
+            const __m256 av = _mm256_set1_ps(alpha[v]);
+            for (int c = 0; c < 2; c++)
+                a[v][c] = _mm256_mul_ps(_mm256_loadu_ps(o[v] + d0 + 8 * c), av);
+        }
+        for (int k = 0; k < kmin; k++) {
+            const __m256 v0 = value8(vc, bf16, vr[k] + d0), v1 = value8(vc, bf16, vr[k] + d0 + 8);
+            for (int v = 0; v < nvec; v++) {
+                const __m256 pk = _mm256_set1_ps(p[v][k]);
+                a[v][0] = _mm256_fmadd_ps(pk, v0, a[v][0]);
+                a[v][1] = _mm256_fmadd_ps(pk, v1, a[v][1]);
+            }
+        }
+        for (int v = 0; v < nvec; v++) { /* the rest of each vector's keys, in order */
+            for (int k = kmin; k < nv[v]; k++) {
+                const __m256 pk = _mm256_set1_ps(p[v][k]);
+                for (int c = 0; c < 2; c++)
+                    a[v][c] = _mm256_fmadd_ps(pk, value8(vc, bf16, vr[k] + d0 + 8 * c), a[v][c]);
+            }
+            for (int c = 0; c < 2; c++) _mm256_storeu_ps(o[v] + d0 + 8 * c, a[v][c]);
+        }
+    }
+}
 #endif
 
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
@@ -308,6 +478,83 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             case 2: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
             case 3: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
             default: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
+            }
+        }
+        return;
+    }
+#elif defined(HP_AVX2)
+    if (VECTOR_UPDATE(hd, portable)) { /* the AVX-512 path's steps and phases, on two halves */
+        __m256 s[QB][2];
+        const float *qj = qs + j0 * hd;
+        switch (nq <= QB / 2 ? nq : 0) { /* a decode's few vectors: kt unused */
+        case 1: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 1, 1); break;
+        case 2: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 2, 1); break;
+        case 3: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 3, 1); break;
+        case 4: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 4, 1); break;
+        default: /* 4 vectors a pass: 8 chains, in the registers with the keys */
+            scores_avx2(qj, kt, kc, bf16, kb, nk, hd, s, QB / 2, 0);
+            if (nq - j0 > QB / 2)
+                scores_avx2(qj + QB / 2 * hd, kt, kc, bf16, kb, nk, hd, s + QB / 2, QB / 2, 0);
+        }
+        int live[QB], nv[QB], nlive = 0;
+        float mo[QB] = {0}, mc[QB] = {0}, mn[QB], alpha[QB], p[QB][CH];
+        for (int b = 0; b < QB && j0 + b < nq; b++) {
+            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1;
+            if (valid <= 0) continue; /* this row's keys end before the chunk */
+            live[nlive] = b;
+            nv[nlive++] = valid < CH ? (int)valid : CH;
+        }
+        /* masked keys and NaN scores -inf (fmaxf skips a NaN; its p is 0 either way) */
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256 sb[QB][2];
+        for (int i = 0; i < nlive; i++) {
+            for (int h = 0; h < 2; h++) {
+                const __m256 sh = s[live[i]][h], in = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(nv[i] - 8 * h), iota));
+                const __m256 keep = _mm256_and_ps(in, _mm256_cmp_ps(sh, sh, _CMP_ORD_Q));
+                sb[i][h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sh, keep);
+            }
+            const __m256 m8 = _mm256_max_ps(sb[i][0], sb[i][1]);
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            mc[i] = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            mo[i] = m[j0 + live[i]];
+        }
+        /* every vector's m' and alpha at once, a lane each (no max is NaN: max_ps is fmaxf) */
+        const __m256 mov = _mm256_loadu_ps(mo), mnv = _mm256_max_ps(_mm256_loadu_ps(mc), mov);
+        _mm256_storeu_ps(mn, mnv);
+        _mm256_storeu_ps(alpha, exp_le0_v8(_mm256_sub_ps(mov, mnv)));
+        for (int i = 0; i < nlive; i++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(p[i] + 8 * h,
+                                 exp_le0_v8(_mm256_sub_ps(sb[i][h], _mm256_set1_ps(mn[i]))));
+        for (int i = 0; i < nlive; i++) {
+            const int64_t j = j0 + live[i];
+            const __m256 t8 = _mm256_add_ps(_mm256_loadu_ps(p[i]), _mm256_loadu_ps(p[i] + 8));
+            const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+            const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            l[j] = l[j] * alpha[i] + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
+            m[j] = mn[i];
+        }
+        /* V from vch where load_chunk widened it (nq > QB / 2), else from the pool */
+        int64_t vrow[CH];
+        for (int k = 0; k < CH; k++) vrow[k] = k * hd;
+        const void *vs = nq > QB / 2 ? vch : vc;
+        const int64_t *vr = nq > QB / 2 ? vrow : kb;
+        const int vbf16 = nq > QB / 2 ? 0 : bf16;
+        for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
+            const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
+            int kmin = CH;
+            float *o[PV_VECS];
+            for (int i = i0; i < i0 + nvec; i++) {
+                kmin = nv[i] < kmin ? nv[i] : kmin;
+                o[i - i0] = acc + (j0 + live[i]) * hd;
+            }
+            switch (nvec) {
+            case 1: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
+            case 2: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
+            case 3: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
+            default: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
             }
         }
         return;
