@@ -294,14 +294,16 @@ static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *q
 #endif
 
 /* group_rows_vnni on 256-bit vectors: a group's 16 lanes are two halves (lanes 0-7 from bytes
- * 0-15 of each 32-byte chunk, lanes 8-15 from bytes 16-31). The integer sums are exact, the float
- * steps per output those of group_rows_c, in its order. */
+ * 0-15 of each 32-byte chunk, lanes 8-15 from bytes 16-31), both in registers for up to
+ * QG_ROWS_AVX2 rows (a row's two sums, its broadcast pairs shared by them). The integer sums are
+ * exact, the float steps per output those of group_rows_c, in its order. */
+#define QG_ROWS_AVX2 4
 static inline __attribute__((always_inline)) void group_rows_avx2(
     const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
     const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
     const __m256i low4 = _mm256_set1_epi16(0x0f);
-    __m256 acc[QG_ROWS][2];
+    __m256 acc[QG_ROWS_AVX2][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * stride;
@@ -309,41 +311,44 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
         if (fetch)
             for (int64_t off = 0; off < stride; off += 64)
                 _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
-        /* one half of the lanes at a time: a row's integer sum is one register (no spills with
-         * six rows), the activation pairs broadcast again for the second half */
-        for (int h = 0; h < 2; h++) {
-            __m256i s[QG_ROWS];
-            for (int r = 0; r < nr; r++) s[r] = _mm256_setzero_si256();
-            if (bits == 4) {
-                for (int j = 0; j < 8; j++) {
-                    const __m256i w = _mm256_cvtepu8_epi16(
-                        _mm_loadu_si128((const __m128i *)(blk + 32 * j + 16 * h)));
-                    const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_srli_epi16(w, 4);
-                    for (int r = 0; r < nr; r++) {
-                        int32_t p0, p1;
-                        memcpy(&p0, ab + r * k + 2 * j, 4);
-                        memcpy(&p1, ab + r * k + 2 * j + 16, 4);
-                        s[r] = QG_DOT(QG_DOT(s[r], lo, _mm256_set1_epi32(p0)), hi, _mm256_set1_epi32(p1));
-                    }
-                }
-            } else {
-                for (int j = 0; j < 16; j++) {
-                    const __m256i w = _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)(blk + 32 * j + 16 * h)));
-                    for (int r = 0; r < nr; r++) {
-                        int32_t p;
-                        memcpy(&p, ab + r * k + 2 * j, 4);
-                        s[r] = QG_DOT(s[r], w, _mm256_set1_epi32(p));
-                    }
+        __m256i s0[QG_ROWS_AVX2], s1[QG_ROWS_AVX2];
+        for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        if (bits == 4) {
+            for (int j = 0; j < 8; j++) {
+                const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
+                const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
+                const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
+                const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
+                for (int r = 0; r < nr; r++) {
+                    int32_t p0, p1;
+                    memcpy(&p0, ab + r * k + 2 * j, 4);
+                    memcpy(&p1, ab + r * k + 2 * j + 16, 4);
+                    const __m256i a0 = _mm256_set1_epi32(p0), a1 = _mm256_set1_epi32(p1);
+                    s0[r] = QG_DOT(QG_DOT(s0[r], lo0, a0), hi0, a1);
+                    s1[r] = QG_DOT(QG_DOT(s1[r], lo1, a0), hi1, a1);
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32 + 16 * h)));
-            for (int r = 0; r < nr; r++) {
-                const __m256 c = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s[r]),
-                                                 _mm256_mul_ps(m, _mm256_set1_ps(sq[r * nb + b])));
-                acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(sa[r * nb + b]), c, acc[r][h]);
+        } else {
+            for (int j = 0; j < 16; j++) {
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
+                for (int r = 0; r < nr; r++) {
+                    int32_t p;
+                    memcpy(&p, ab + r * k + 2 * j, 4);
+                    const __m256i a = _mm256_set1_epi32(p);
+                    s0[r] = QG_DOT(s0[r], w0, a);
+                    s1[r] = QG_DOT(s1[r], w1, a);
+                }
             }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
+        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
+        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
+        for (int r = 0; r < nr; r++) {
+            const __m256 q = _mm256_set1_ps(sq[r * nb + b]), a = _mm256_set1_ps(sa[r * nb + b]);
+            acc[r][0] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(m0, q)), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(m1, q)), acc[r][1]);
         }
     }
     for (int r = 0; r < nr; r++) {
@@ -364,12 +369,27 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
 static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
                        int lanes, int fetch) {
-    if (bits == 4) {
-        switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6)
-                      QG_CASE(4, 7) QG_CASE(4, 8) }
-    } else {
-        switch (nr) { QG_CASE(8, 1) QG_CASE(8, 2) QG_CASE(8, 3) QG_CASE(8, 4) QG_CASE(8, 5) QG_CASE(8, 6)
-                      QG_CASE(8, 7) QG_CASE(8, 8) }
+    for (int r0 = 0; r0 < nr; r0 += QG_ROWS_AVX2) { /* the tile in passes of up to 4 rows */
+        const int n = nr - r0 < QG_ROWS_AVX2 ? nr - r0 : QG_ROWS_AVX2;
+        const int16_t *q = qa + r0 * k;
+        const float *a = sa + r0 * nb, *s = sq + r0 * nb;
+        float *out = y + r0 * ldy;
+        if (bits == 4) {
+            switch (n) {
+            case 1: group_rows_avx2(wg, 4, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;
+            case 2: group_rows_avx2(wg, 4, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;
+            case 3: group_rows_avx2(wg, 4, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;
+            default: group_rows_avx2(wg, 4, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;
+            }
+        } else {
+            switch (n) {
+            case 1: group_rows_avx2(wg, 8, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;
+            case 2: group_rows_avx2(wg, 8, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;
+            case 3: group_rows_avx2(wg, 8, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;
+            default: group_rows_avx2(wg, 8, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;
+            }
+        }
+        fetch = 0; /* the first pass brought the group's weights in */
     }
 }
 #else
