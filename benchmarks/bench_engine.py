@@ -441,7 +441,7 @@ def main() -> None:
         for L in Ls:
             target = TARGET_LLAMACPP_PREFILL if int(L) <= 2048 else TARGET_LLAMACPP_PREFILL_LONG
             x = vs_peer[ours]["prefill_vs_llamacpp"][L]
-            checks.append([f"prefill {L} vs llama.cpp (tok/s)", f">= {target:.0f}x", f"{x:.2f}x",
+            checks.append([f"prefill {L} vs llama.cpp (tok/s)", f">= {target:.1f}x", f"{x:.2f}x",
                            "PASS" if x >= target else "MISS"])
     else:
         checks.append(["vs llama.cpp", "-", "llama.cpp: not built, run "
