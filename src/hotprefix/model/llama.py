@@ -19,7 +19,7 @@ from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch
                                        paged_attention, write_kv)
 from hotprefix.model.isa import BY_NAME
 from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, library
-from hotprefix.model.linear import (fp16_weights_available, high_linear, invariant_min_rows,
+from hotprefix.model.linear import (high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
 from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
@@ -46,10 +46,11 @@ where a step is short; on a 2,048-row prefill their one large scratch allocation
 the kernel every call) made it slower: 513 against 620 tok/s, side by side in one process."""
 
 HEAD_FP32_GEMMS = frozenset({"head"})
-"""The GEMMs that the other 16-bit CPU modes (dense, int8, int4) run on fp32 inputs with fp16-held
-weights where torch has that kernel: only the LM head. It runs on a few rows a step (the logits
-rows), where it streams faster than a bf16 or int4 head, and its logits are those of fp32 inputs
-(an int4 head cost the int4 mode most of its KL divergence)."""
+"""The GEMMs that the other 16-bit CPU modes (dense, int8, int4) run on fp32 inputs: only the LM
+head, with fp16-held weights where torch's kernel for them is row-invariant, else fp32 ones
+(``linear.high_linear``: FBGEMM's AVX2 kernels are not). It runs on a few rows a step (the logits
+rows), where an fp16 head streams faster than a bf16 or int4 one, and its logits are those of fp32
+inputs (an int4 head cost the int4 mode most of its KL divergence)."""
 
 
 class RotaryEmbedding:
@@ -107,7 +108,7 @@ class LlamaModel:
             self.weight_mode = "mixed"
         if self.weight_mode in ("mixed", "gguf"):
             self.fp32_ops = MIXED_FP32_GEMMS
-        elif dtype != torch.float32 and device.type == "cpu" and fp16_weights_available():
+        elif dtype != torch.float32 and device.type == "cpu":
             self.fp32_ops = HEAD_FP32_GEMMS
         else:
             self.fp32_ops = frozenset()
