@@ -20,9 +20,11 @@ holds. RoPE, the
 roundings and the widening give the torch path's exact bits; RMSNorm and SiLU do not (another
 summation order, another exp), so the numerics tag (cache namespace) says which path ran.
 
-The source is compiled once per machine with the system C compiler (``cc``) and cached under
-``~/.cache/hotprefix`` (or ``$HOTPREFIX_CACHE_DIR``), keyed by the source, the flags and the CPU.
-Where no compiler works, or ``ModelConfig.fused_kernels`` is off, the model runs the torch ops.
+The source is compiled once per machine and ISA level (``isa.py``: portable, avx2, avxvnni,
+avx512; the one this CPU runs best unless ``$HOTPREFIX_ISA`` names another) with the system C
+compiler (``cc``) and cached under ``~/.cache/hotprefix`` (or ``$HOTPREFIX_CACHE_DIR``), keyed by
+the source, the flags and the CPU. Where no compiler works, or ``ModelConfig.fused_kernels`` is
+off, the model runs the torch ops.
 """
 
 from __future__ import annotations
