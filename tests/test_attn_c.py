@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotprefix.model import fused, isa
+from hotprefix.model import fused
+from isa_support import level_lib
 from hotprefix.model.attention import AttentionMetadata, PrefillSeq
 
 pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler")
@@ -229,19 +230,6 @@ def test_a_build_without_avx512_selects_the_same_logits(plain_lib):
 KEY_COUNTS = [1, 15, 16, 17, 255, 256, 257, 1000]  # around the chunk (16) and segment (256) grids
 
 
-def _level_lib(level: str):
-    runnable = [lv.name for lv in isa.runnable_levels()]
-    if level not in runnable:
-        missing = sorted(isa.BY_NAME[level].needs - set(isa.cpu_flags()))
-        pytest.skip(f"this CPU cannot run the {level} level (it lacks {', '.join(missing)}; "
-                    f"it runs {', '.join(runnable)})")
-    lib = fused.library(level)
-    if lib is None:
-        pytest.skip(f"no C compiler: the {level} level cannot be built")
-    assert lib.isa == level
-    return lib
-
-
 def _hostile_pool(nkv, hd, bs, pool_dtype, g):
     """K and V pools whose blocks mix ordinary, large and tiny (subnormal products) magnitudes;
     large keys only in the last KV head (they decide its softmax alone)."""
@@ -261,7 +249,7 @@ def test_the_avx2_level_gives_the_portable_bits(hd, pool_dtype):
     segment grids, 1 to 6 decodes at once (the decode path that reads K from the pool; those past
     the first segment share its blocks, attended together), prefill chunks of 9 to 40 rows, query rows
     of zeros, large and tiny values, and NaN/inf in the pool slots past every sequence's end."""
-    avx2, portable = _level_lib("avx2"), _level_lib("portable")
+    avx2, portable = level_lib("avx2"), level_lib("portable")
     bs, nkv = 16, 2
     for ratio in (1, 3, 4):
         nh = nkv * ratio

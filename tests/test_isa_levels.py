@@ -14,22 +14,14 @@ import pytest
 import torch
 
 from hotprefix.model import fused, isa
+from isa_support import level_lib
 
 NAN, INF = float("nan"), float("inf")
 OTHER_LEVELS = [lv.name for lv in isa.LEVELS if lv.name != "portable"]
 
 
 def _ops(level: str, nh: int = 9, nkv: int = 3, hd: int = 64) -> fused.FusedOps:
-    runnable = [x.name for x in isa.runnable_levels()]
-    if level not in runnable:
-        missing = sorted(isa.BY_NAME[level].needs - set(isa.cpu_flags()))
-        pytest.skip(f"this CPU cannot run the {level} level (it lacks {', '.join(missing)}; it runs "
-                    f"{', '.join(runnable)})")
-    lib = fused.library(level)
-    if lib is None:
-        pytest.skip("no C compiler: the kernels cannot be built")
-    assert lib.isa == level
-    return fused.FusedOps(lib, 1e-5, nh, nkv, hd)
+    return fused.FusedOps(level_lib(level), 1e-5, nh, nkv, hd)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

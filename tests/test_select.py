@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hotprefix.model import fused, isa
+from isa_support import level_lib
 
 LENGTHS = (1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 4099, 49152)
 NAN, INF = float("nan"), float("inf")
@@ -88,17 +89,7 @@ def cases():
 
 
 def _ops(level: str) -> fused.FusedOps:
-    lv = isa.BY_NAME[level]
-    runnable = [x.name for x in isa.runnable_levels()]
-    if level not in runnable:
-        missing = sorted(lv.needs - set(isa.cpu_flags()))
-        pytest.skip(f"this CPU cannot run the {level} level (it lacks {', '.join(missing)}; it runs "
-                    f"{', '.join(runnable)})")
-    lib = fused.library(level)
-    if lib is None:
-        pytest.skip("no C compiler: the kernels cannot be built")
-    assert lib.isa == level
-    return fused.FusedOps(lib, 1e-5, 9, 3, 64)
+    return fused.FusedOps(level_lib(level), 1e-5, 9, 3, 64)
 
 
 @pytest.mark.parametrize("level", [lv.name for lv in isa.LEVELS])
