@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
 from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, drop_accepted
 
 MIN_TEMPERATURE = 1e-5
@@ -61,6 +62,9 @@ class SamplingParams:
     """Extra token ids that end generation (EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (``hotprefix.structured``;
+    vLLM's field; a dict of its fields or vLLM's ``guided_decoding`` is read as one)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +78,12 @@ class SamplingParams:
         if name in SAMPLING_UNSUPPORTED:
             drop_accepted({name: value}, SAMPLING_UNSUPPORTED, SamplingError)
             return
+        if name in ("structured_outputs", "guided_decoding"):  # vLLM's new and old names
+            name = "structured_outputs"
+            try:
+                value = structured_from_vllm(value)
+            except GrammarError as e:
+                raise SamplingError(str(e), "structured_outputs") from None
         if name not in _FIELDS:
             raise AttributeError(f"SamplingParams has no field {name!r}; its fields: {sorted(_FIELDS)}")
         object.__setattr__(self, name, value)
@@ -134,6 +144,11 @@ def _with_vllm_fields(init):
     SamplingError naming the field and what to use instead (``hotprefix.vllm_compat``)."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if "guided_decoding" in kwargs:  # vLLM's name before structured_outputs
+            if kwargs.get("structured_outputs") is not None:
+                raise SamplingError("give structured_outputs or guided_decoding, not both",
+                                    "structured_outputs")
+            kwargs["structured_outputs"] = kwargs.pop("guided_decoding")
         drop_accepted(kwargs, SAMPLING_UNSUPPORTED, SamplingError)
         init(self, *args, **kwargs)
     return __init__

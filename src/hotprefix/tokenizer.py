@@ -138,6 +138,11 @@ class Tokenizer:
             raise TokenizerError(f"could not load a tokenizer from {path}: {e}") from e
         return cls(tok, path)
 
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face tokenizer object (for libraries that read it, e.g. llguidance)."""
+        return self._tok
+
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
@@ -153,19 +158,34 @@ class Tokenizer:
         return frozenset(int(i) for i, t in added.items()
                          if getattr(t, "special", False) and self.decode([i]) == "")
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to OpenAI-style messages, as text."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to OpenAI-style messages (and ``tools``, for a template that
+        renders them: ``renders_tools``), as text."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a plain prompt")
         try:
-            return self._tok.apply_chat_template(messages, tokenize=False,
+            return self._tok.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                  add_generation_prompt=add_generation_prompt)
         except Exception as e:
             raise TokenizerError(f"could not apply the chat template: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already contains any BOS/special tokens it wants.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools),
+                           add_special_tokens=False)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (a probe function's name shows up in
+        the text); when not, the server describes the tools itself (``hotprefix.server.tools``)."""
+        probe = "hotprefix_probe_fn_7f3a"
+        tools = [{"type": "function", "function": {"name": probe, "parameters": {"type": "object"}}}]
+        try:
+            return probe in self.render_chat([{"role": "user", "content": "x"}], tools=tools)
+        except TokenizerError:
+            return False
 
     # ------------------------------------------------------------------ fingerprint
     def _fingerprint(self) -> str:

@@ -125,8 +125,6 @@ SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
     "allowed_token_ids": Unsupported("no token restrictions"),
     "bad_words": Unsupported("no token restrictions"),
     "logits_processors": Unsupported("no logits processors"),
-    "guided_decoding": Unsupported("no constrained (structured) decoding"),
-    "structured_outputs": Unsupported("no constrained (structured) decoding"),
     "truncate_prompt_tokens": Unsupported("send a shorter prompt"),
     "include_stop_str_in_output": Unsupported("the text ends before the stop string", (False,)),
     "detokenize": Unsupported("the text is always detokenized", (True,)),
