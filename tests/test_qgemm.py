@@ -15,8 +15,9 @@ from gguf.quants import dequantize, quantize
 from hotprefix import SamplingParams
 from hotprefix.model.fused import library
 from hotprefix.model.isa import runnable_levels
+from hotprefix.model.gguf_blocks import QF_Q4, QF_Q8, decode, group_bytes
 from hotprefix.model.qlinear import (BlockRows, QuantLayers, QuantLinear, QuantWeight,
-                                     fast_block_kernels, quantize_rows, unpack_gguf_blocks)
+                                     fast_block_kernels, quantize_rows)
 
 LIB = library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
@@ -42,11 +43,13 @@ def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n", [16, 40, 96])
 def test_packing_keeps_every_weight(kind, n):
     _, raw, deq = make_blocks(kind, n, 96, seed=n)
-    q, d, m = unpack_gguf_blocks(kind, raw, n, 96)
-    assert q.shape == (n, 3, 32)
+    q, d, m = decode(kind, raw, 96)
+    assert q.shape == (n, 3, 32) and d.shape == m.shape == (n, 3)
     w = QuantWeight([(kind, raw)], 96)
-    assert w.n == n and w.bits == (8 if kind == "Q8_0" else 4)
-    assert w.packed.shape[0] == -(-n // 16)  # groups of 16 outputs, the last one padded
+    groups = -(-n // 16)  # groups of 16 outputs, the last one padded
+    fmt = QF_Q8 if kind == "Q8_0" else QF_Q4
+    assert w.n == n and w.formats == (fmt,) * groups
+    assert w.nbytes == groups * (8 + group_bytes(fmt, 3)) == groups * (8 + LIB.qg_group_bytes(fmt, 3))
     assert torch.equal(w.dequantize(), deq)
 
 
@@ -65,12 +68,13 @@ def test_block_rows_are_gguf_values(kind):
         rows[torch.tensor([-1])]
 
 
-def test_stacked_tensors_of_mixed_kinds_pack_as_8_bit():
+def test_stacked_tensors_of_mixed_kinds_pack_a_shared_group_as_8_bit():
+    """Each group of 16 outputs keeps its type's format; one holding Q4_1 and Q8_0 rows is 8-bit."""
     parts = [make_blocks("Q4_1", 24, 64, 1), make_blocks("Q8_0", 8, 64, 2), make_blocks("Q4_0", 16, 64, 3)]
     w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 64)
-    assert w.bits == 8 and w.n == 48
+    assert w.formats == (QF_Q4, QF_Q8, QF_Q4) and w.n == 48
     assert torch.equal(w.dequantize(), torch.cat([deq for _, _, deq in parts]))
-    assert QuantWeight([(k, r) for k, r, _ in parts[::2]], 64).bits == 4
+    assert QuantWeight([(k, r) for k, r, _ in parts[::2]], 64).formats == (QF_Q4,) * 3
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -197,7 +201,7 @@ def test_gguf_mode_selection(real_llm, tiny_model_dir, monkeypatch, caplog):
     if model.weight_mode == "gguf":
         assert "/gguf-a16-" in model.numerics
         assert isinstance(model.layers[0]["gate_up"], QuantWeight)
-        assert isinstance(model.lm_head, QuantWeight) and model.lm_head.bits == 8
+        assert isinstance(model.lm_head, QuantWeight) and set(model.lm_head.formats) == {QF_Q8}
         assert isinstance(model.embed, BlockRows)  # no fp32 copy of the tied embedding
     assert (model.weight_mode == "gguf") == fast_block_kernels()
     assert f"/isa-{LIB.isa}" in model.numerics
@@ -294,7 +298,7 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
 
 
 def test_tiny_model_with_bias_and_mixed_block_types():
-    """A model whose Q/K/V stack mixes Q4_0, Q4_1 and Q8_0 (so it packs 8-bit), with Q/K/V biases
+    """A model whose Q/K/V stack mixes Q4_0, Q4_1 and Q8_0 (groups of each format), with Q/K/V biases
     (Qwen2's), an untied Q8_0 LM head and a tied-free embedding: the two-call layers give the
     per-kernel loop's bits, and the gguf forward computes what the mixed mode computes on the
     dequantized weights."""
@@ -338,7 +342,8 @@ def test_tiny_model_with_bias_and_mixed_block_types():
     cpu = torch.device("cpu")
     quant = LlamaModel(arch, weights, cpu, torch.bfloat16, "gguf", True, blocks)
     assert quant.weight_mode == "gguf" and quant.quant_layers is not None
-    assert quant.layers[0]["qkv"].bits == 8 and quant.layers[0]["gate_up"].bits == 4
+    assert quant.layers[0]["qkv"].formats == (QF_Q4,) * 6 + (QF_Q8,) * 2
+    assert set(quant.layers[0]["gate_up"].formats) == {QF_Q4}
     fast = run(quant, ids)
     quant.quant_layers = None
     assert torch.equal(run(quant, ids), fast)

@@ -76,11 +76,12 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
     "qg_quantize_rows_reference": ([_P, _P, _P, _P, _I, _I], None),
-    "qg_gemm": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
-    "qg_gemm_reference": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, _I, _P], None),
-    "qg_linear": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
-    "qg_dequant_rows": ([_P, ctypes.c_int, _I, _I, _P, _I, _P], _I),
-    "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _P, _P,
+    "qg_gemm": ([_P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
+    "qg_gemm_reference": ([_P, _I, _I, _P, _P, _P, _I, _P], None),
+    "qg_linear": ([_P, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
+    "qg_dequant_rows": ([_P, _I, _I, _P, _I, _P], _I),
+    "qg_group_bytes": ([ctypes.c_int, _I], _I),
+    "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _F, _P,
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
@@ -89,8 +90,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "select_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
     "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, _I,
                    _I, _P, _I, _P, _P, _F, ctypes.c_int], _I),
-    "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _I, _P,
-                       ctypes.c_int, _P, ctypes.c_int], ctypes.c_int),
+    "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, _P, _I, _P, _P, ctypes.c_int], ctypes.c_int),
 }
 
 

@@ -24,6 +24,7 @@ from hotprefix.model.linear import (high_linear, invariant_min_rows,
 from hotprefix.model.loader import ModelArch
 from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
                                      QuantWeight, block_columns)
+from hotprefix.model.gguf_blocks import PackError
 from hotprefix.model.rope import inverse_frequencies
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,10 @@ class LlamaModel:
 
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):
-                return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]))
+                try:
+                    return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]))
+                except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
+                    log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
             t = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names], 0)
             return pack32(t) if op in self.fp32_ops else pack(t)
 

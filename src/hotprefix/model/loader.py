@@ -228,6 +228,7 @@ def _load_gguf(path: str) -> LoadedModel:
 
     entries: dict[str, tuple] = {}
     blocks: dict[str, tuple[str, np.ndarray]] = {}
+    unblocked: list[tuple[str, int, int]] = []  # matrices without a block kernel: type, bytes, size
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         name = t.name
@@ -256,6 +257,13 @@ def _load_gguf(path: str) -> LoadedModel:
         if t.tensor_type.name in GGUF_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0:
             raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)  # a block row per row
             blocks[hf] = (t.tensor_type.name, np.ascontiguousarray(_unpermute(raw, heads) if heads else raw))
+        elif len(shape) == 2:
+            unblocked.append((t.tensor_type.name, int(t.n_bytes), shape[0] * shape[1]))
+    if unblocked:  # the gguf mode multiplies these as the mixed mode does (fp16 or fp32 weights)
+        log.warning("%d matrices stored as %s have no block kernel: the gguf weight mode "
+                    "dequantizes them (%.1f MiB in the file, %.1f MiB as fp32)", len(unblocked),
+                    "/".join(sorted({k for k, _, _ in unblocked})),
+                    sum(b for _, b, _ in unblocked) / 2**20, sum(4 * n for _, _, n in unblocked) / 2**20)
     weights = GgufWeights(entries)
     _check_weights(arch, weights, path)
     fp = _file_digest([path], json.dumps(arch.__dict__, sort_keys=True))

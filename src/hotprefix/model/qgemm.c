@@ -1,20 +1,31 @@
 /* GEMM on GGUF block-quantized weights with 16-bit integer activations (see qlinear.py).
  *
- * y[r][n] = sum over 32-wide blocks b of  sa[r][b] * (d[n][b] * S + m[n][b] * sq[r][b])
+ * y[r][n] = sum over 32-wide blocks b of  sa[r][b] * (D[n][b] * S + M[n][b] * sq[r][b])
  * where S = sum_i q[n][32b + i] * qa[r][32b + i] is an exact integer (|S| < 2^31; converted to
  * float once, with round-to-nearest on both paths), qa the row's
  * activations rounded to int16 with one scale sa per block, sq the sum of a block's qa, and the
- * weight w = d * q + m (GGUF Q4_1; Q4_0 has m = -8d, Q8_0 has m = 0). Integer sums are exact in
+ * weight w = D * q + M. Q6_K's scales change every 16 inputs: its blocks add
+ * sa * (D_lo * S_lo + D_hi * S_hi) over the two halves (no M). Integer sums are exact in
  * any order, and each output's float operations run in one fixed sequence (two FMAs and a product
  * per block, blocks in order), so a row's bits do not depend on how many rows share the call, the
  * tiling, the thread count or the vector width: the AVX-512 VNNI path and the portable C path give
  * the same bits.
  *
- * Weight layout (qlinear.pack_blocks): outputs in groups of 16 (one lane each), per group and
- * block 256 bytes of 4-bit values or 512 of 8-bit ones, then 16 fp16 d and 16 fp16 m. In the 4-bit
- * layout byte p of chunk j (j < 8) holds, for lane p / 2, the value of input 2j + p % 2 in its low
- * nibble and of input 2j + 16 + p % 2 in its high nibble; in the 8-bit layout byte p of chunk j
- * (j < 16) is input 2j + p % 2 of lane p / 2.
+ * Weight layout (qlinear.pack_weight): outputs in groups of 16 (one lane each). The buffer opens
+ * with one int64 per group, (byte offset of the group << 4) | its format; a group's format:
+ *   QF_Q4  Q4_0 / Q4_1: 4-bit q; per block 256 bytes of values, then 16 fp16 D and 16 fp16 M
+ *          (Q4_0: M = -8 D);
+ *   QF_Q8  Q8_0 / Q5_0 (q - 16) / a group mixing these with Q4_0 / Q4_1: int8 q, 512 bytes of
+ *          values, 16 fp16 D and 16 fp16 M;
+ *   QF_K4  Q4_K: per super-block of 8 blocks (256 inputs), 8 times [256 bytes of 4-bit q, 16 int8
+ *          sc, 16 int8 mn], then 16 fp16 d and 16 fp16 -dmin: D = d * sc, M = -dmin * mn
+ *          (exact in fp32: the file's own values);
+ *   QF_K5  Q5_K: the same with 512 bytes of int8 q (0..31);
+ *   QF_K6  Q6_K: 512 bytes of int8 q - 32, 16 int8 scales of inputs 0-15 and 16 of inputs 16-31,
+ *          then 16 fp16 d (and 32 unused bytes): D_lo = d * sc_lo, D_hi = d * sc_hi.
+ * In the 4-bit layouts byte p of chunk j (j < 8) holds, for lane p / 2, the value of input
+ * 2j + p % 2 in its low nibble and of input 2j + 16 + p % 2 in its high nibble; in the 8-bit ones
+ * byte p of chunk j (j < 16) is input 2j + p % 2 of lane p / 2.
  */
 #include <math.h>
 #include <stdint.h>
@@ -177,31 +188,94 @@ void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *s
     quantize_rows(x, qa, sa, sq, rows, k, 1, 1);
 }
 
-/* One group of 16 outputs for rows [0, nr) of a tile: the portable reference. */
-static void group_rows_c(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+/* ------------------------------------------------------------------ the weight layout */
+enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_FORMATS };
+
+static inline int fmt_bits(int f) { return f == QF_Q4 || f == QF_K4 ? 4 : 8; }
+static inline int64_t fmt_qbytes(int f) { return fmt_bits(f) == 4 ? 256 : 512; }
+/* bytes of one super-block of 8 blocks (K formats) */
+static inline int64_t fmt_super(int f) { return 8 * (fmt_qbytes(f) + 32) + 64; }
+
+/* Bytes of one group of 16 outputs over nb blocks (qlinear checks its layout against this). */
+int64_t qg_group_bytes(int f, int64_t nb) {
+    if (f < 0 || f >= QF_FORMATS) return -1;
+    return f <= QF_Q8 ? nb * (fmt_qbytes(f) + 64) : nb / 8 * fmt_super(f);
+}
+
+/* Block b of a group: its values, then its scale bytes (fp16 D and M, or int8 sc and mn). */
+static inline const uint8_t *block_at(const uint8_t *wg, int f, int64_t b) {
+    if (f <= QF_Q8) return wg + b * (fmt_qbytes(f) + 64);
+    return wg + (b / 8) * fmt_super(f) + (b % 8) * (fmt_qbytes(f) + 32);
+}
+
+/* The super-block's 16 fp16 d, then 16 fp16 -dmin (K formats). */
+static inline const uint8_t *super_at(const uint8_t *wg, int f, int64_t b) {
+    return wg + (b / 8) * fmt_super(f) + 8 * (fmt_qbytes(f) + 32);
+}
+
+/* Group g's bytes and format, from the buffer's table. */
+static inline const uint8_t *group_at(const uint8_t *w, int64_t g, int *f) {
+    int64_t h;
+    memcpy(&h, w + 8 * g, sizeof h);
+    *f = (int)(h & 15);
+    return w + (h >> 4);
+}
+
+/* Input i of lane l in a block's values. */
+static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
+    const int pair = i / 2, e = i % 2;
+    if (bits == 4) {
+        const uint8_t byte = blk[32 * (pair % 8) + 2 * l + e];
+        return pair / 8 ? byte >> 4 : byte & 0x0f;
+    }
+    return (int8_t)blk[32 * pair + 2 * l + e];
+}
+
+/* Lane l's scales of block b: w = D * q + M, D = dlo for inputs 0-15 and dhi for 16-31 (equal but
+ * in Q6_K, whose M is 0). The K formats' products d * sc are exact in fp32. */
+static inline void lane_scales(const uint8_t *wg, const uint8_t *blk, int f, int64_t b, int l,
+                               float *dlo, float *dhi, float *m) {
+    const int64_t qb = fmt_qbytes(f);
+    if (f <= QF_Q8) {
+        const uint16_t *h = (const uint16_t *)(blk + qb);
+        *dlo = *dhi = half_to_float(h[l]);
+        *m = half_to_float(h[QG_LANES + l]);
+        return;
+    }
+    const uint16_t *sup = (const uint16_t *)super_at(wg, f, b);
+    const int8_t *sc = (const int8_t *)(blk + qb);
+    const float d = half_to_float(sup[l]);
+    *dlo = d * (float)sc[l];
+    if (f == QF_K6) {
+        *dhi = d * (float)sc[QG_LANES + l];
+        *m = 0.0f;
+    } else {
+        *dhi = *dlo;
+        *m = half_to_float(sup[QG_LANES + l]) * (float)sc[QG_LANES + l];
+    }
+}
+
+/* ------------------------------------------------------------------ the portable reference */
+/* One group of 16 outputs for rows [0, nr) of a tile. */
+static void group_rows_c(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                          const float *sa, const float *sq, int64_t k, int nr, float *y,
                          int64_t ldy, int lanes) {
-    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    const int bits = fmt_bits(f);
     for (int r = 0; r < nr; r++) {
         float acc[QG_LANES] = {0};
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wg + b * stride;
-            const uint16_t *dh = (const uint16_t *)(blk + qbytes), *mh = dh + QG_LANES;
+            const uint8_t *blk = block_at(wg, f, b);
             const int16_t *a = qa + r * k + b * QG_BLOCK;
+            const float q = sq[r * nb + b];
             for (int l = 0; l < QG_LANES; l++) {
-                int32_t s = 0;
-                for (int i = 0; i < QG_BLOCK; i++) {
-                    int pair = i / 2, e = i % 2, q;
-                    if (bits == 4) {
-                        int j = pair % 8, hi = pair / 8;
-                        uint8_t byte = blk[32 * j + 2 * l + e];
-                        q = hi ? byte >> 4 : byte & 0x0f;
-                    } else {
-                        q = (int8_t)blk[32 * pair + 2 * l + e];
-                    }
-                    s += q * a[i];
-                }
-                float c = fmaf(half_to_float(dh[l]), (float)s, half_to_float(mh[l]) * sq[r * nb + b]);
+                int32_t s[2] = {0, 0}; /* inputs 0-15, 16-31 */
+                for (int i = 0; i < QG_BLOCK; i++) s[i / 16] += weight_q(blk, bits, l, i) * a[i];
+                float dlo, dhi, m, c;
+                lane_scales(wg, blk, f, b, l, &dlo, &dhi, &m);
+                if (f == QF_K6)
+                    c = fmaf(dlo, (float)s[0], dhi * (float)s[1]);
+                else
+                    c = fmaf(dlo, (float)(s[0] + s[1]), m * q);
                 acc[l] = fmaf(sa[r * nb + b], c, acc[l]);
             }
         }
@@ -211,9 +285,11 @@ static void group_rows_c(const uint8_t *wg, int bits, int64_t nb, const int16_t 
 
 #ifdef HP_AVX512
 static inline __attribute__((always_inline)) void group_rows_vnni(
-    const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
+    const uint8_t *wg, const int f, int64_t nb, const int16_t *qa, const float *sa,
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
-    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    const int bits = fmt_bits(f);
+    const int64_t qbytes = fmt_qbytes(f);
+    const int64_t ahead = QG_PREFETCH * (f <= QF_Q8 ? qbytes + 64 : qbytes + 40);
     const __m512i low4 = _mm512_set1_epi16(0x0f);
     /* one row alone waits on its accumulators' latency: give it four chains; many rows have
      * enough chains between them (and registers for no more) */
@@ -221,32 +297,38 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     __m512 acc[QG_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * stride;
+        const uint8_t *blk = block_at(wg, f, b);
         if (fetch) /* a group's first tile: its weights stream from memory, fetch them ahead (a
                     * prefetch past the last block is a hint, never a fault) */
-            for (int64_t off = 0; off < stride; off += 64)
-                _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
+            for (int64_t off = 0; off < qbytes + 64; off += 64)
+                _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
         /* several independent integer chains per row (a VNNI op waits for the previous one on
          * its accumulator); integer sums are exact, so how they are split changes no bits */
-        __m512i s[QG_ROWS][QG_CHAINS];
+        __m512i s[QG_ROWS][QG_CHAINS], lo[QG_ROWS];
         for (int r = 0; r < nr; r++)
             for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
         if (bits == 4) {
             for (int j = 0; j < 8; j++) {
                 __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
-                __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_srli_epi16(w, 4);
+                __m512i wl = _mm512_and_si512(w, low4), wh = _mm512_srli_epi16(w, 4);
                 const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
                 for (int r = 0; r < nr; r++) {
                     const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
                     int32_t p0, p1;
                     memcpy(&p0, a, 4);
                     memcpy(&p1, a + 16, 4);
-                    s[r][c] = _mm512_dpwssd_epi32(s[r][c], lo, _mm512_set1_epi32(p0));
-                    s[r][c1] = _mm512_dpwssd_epi32(s[r][c1], hi, _mm512_set1_epi32(p1));
+                    s[r][c] = _mm512_dpwssd_epi32(s[r][c], wl, _mm512_set1_epi32(p0));
+                    s[r][c1] = _mm512_dpwssd_epi32(s[r][c1], wh, _mm512_set1_epi32(p1));
                 }
             }
         } else {
             for (int j = 0; j < 16; j++) {
+                if (f == QF_K6 && j == 8) /* Q6_K: inputs 0-15 summed apart from 16-31 */
+                    for (int r = 0; r < nr; r++) {
+                        lo[r] = s[r][0];
+                        for (int c = 1; c < chains; c++) lo[r] = _mm512_add_epi32(lo[r], s[r][c]);
+                        for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
+                    }
                 __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
                 const int c = j % chains;
                 for (int r = 0; r < nr; r++) {
@@ -261,11 +343,23 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             t[r] = s[r][0];
             for (int c = 1; c < chains; c++) t[r] = _mm512_add_epi32(t[r], s[r][c]);
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
+        __m512 d, m;
+        if (f <= QF_Q8) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
+        } else {
+            const uint8_t *sup = super_at(wg, f, b);
+            const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes))));
+            const __m512 s2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16))));
+            d = _mm512_mul_ps(dd, sc);
+            m = f == QF_K6 ? _mm512_mul_ps(dd, s2) /* D_hi */
+                           : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))), s2);
+        }
         for (int r = 0; r < nr; r++) {
-            __m512 c = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(t[r]),
-                                       _mm512_mul_ps(m, _mm512_set1_ps(sq[r * nb + b])));
+            __m512 c = f == QF_K6
+                ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(m, _mm512_cvtepi32_ps(t[r])))
+                : _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(m, _mm512_set1_ps(sq[r * nb + b])));
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[r * nb + b]), c, acc[r]);
         }
     }
@@ -273,15 +367,20 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
-#define QG_CASE(B, R) \
-    case R: group_rows_vnni(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
-static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+#define QG_CASE(F, R) \
+    case R: group_rows_vnni(wg, F, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
+#define QG_ROWS_OF(F) \
+    switch (nr) { QG_CASE(F, 1) QG_CASE(F, 2) QG_CASE(F, 3) QG_CASE(F, 4) QG_CASE(F, 5) QG_CASE(F, 6) } \
+    break;
+static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
                        int lanes, int fetch) {
-    if (bits == 4) {
-        switch (nr) { QG_CASE(4, 1) QG_CASE(4, 2) QG_CASE(4, 3) QG_CASE(4, 4) QG_CASE(4, 5) QG_CASE(4, 6) }
-    } else {
-        switch (nr) { QG_CASE(8, 1) QG_CASE(8, 2) QG_CASE(8, 3) QG_CASE(8, 4) QG_CASE(8, 5) QG_CASE(8, 6) }
+    switch (f) {
+    case QF_Q4: QG_ROWS_OF(QF_Q4)
+    case QF_Q8: QG_ROWS_OF(QF_Q8)
+    case QF_K4: QG_ROWS_OF(QF_K4)
+    case QF_K5: QG_ROWS_OF(QF_K5)
+    default: QG_ROWS_OF(QF_K6)
     }
 }
 #elif defined(HP_AVX2)
@@ -293,24 +392,31 @@ static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *q
 #define QG_DOT(acc, w, p) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (p)))
 #endif
 
+/* 8 int8 at p -> 8 floats */
+static inline __m256 i8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 /* group_rows_vnni on 256-bit vectors: a group's 16 lanes are two halves (lanes 0-7 from bytes
  * 0-15 of each 32-byte chunk, lanes 8-15 from bytes 16-31), both in registers for up to
  * QG_ROWS_AVX2 rows (a row's two sums, its broadcast pairs shared by them). The integer sums are
  * exact, the float steps per output those of group_rows_c, in its order. */
 #define QG_ROWS_AVX2 4
 static inline __attribute__((always_inline)) void group_rows_avx2(
-    const uint8_t *wg, const int bits, int64_t nb, const int16_t *qa, const float *sa,
+    const uint8_t *wg, const int f, int64_t nb, const int16_t *qa, const float *sa,
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
-    const int64_t qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+    const int bits = fmt_bits(f);
+    const int64_t qbytes = fmt_qbytes(f);
+    const int64_t ahead = QG_PREFETCH * (f <= QF_Q8 ? qbytes + 64 : qbytes + 40);
     const __m256i low4 = _mm256_set1_epi16(0x0f);
-    __m256 acc[QG_ROWS_AVX2][2];
+    __m256 acc[QG_ROWS_AVX2][2], lo[QG_ROWS_AVX2][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * stride;
+        const uint8_t *blk = block_at(wg, f, b);
         const int16_t *ab = qa + b * QG_BLOCK;
         if (fetch)
-            for (int64_t off = 0; off < stride; off += 64)
-                _mm_prefetch((const char *)(blk + QG_PREFETCH * stride + off), _MM_HINT_T0);
+            for (int64_t off = 0; off < qbytes + 64; off += 64)
+                _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
         __m256i s0[QG_ROWS_AVX2], s1[QG_ROWS_AVX2];
         for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
         if (bits == 4) {
@@ -330,6 +436,12 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
             }
         } else {
             for (int j = 0; j < 16; j++) {
+                if (f == QF_K6 && j == 8) /* Q6_K: inputs 0-15 summed apart from 16-31 */
+                    for (int r = 0; r < nr; r++) {
+                        lo[r][0] = _mm256_cvtepi32_ps(s0[r]);
+                        lo[r][1] = _mm256_cvtepi32_ps(s1[r]);
+                        s0[r] = s1[r] = _mm256_setzero_si256();
+                    }
                 const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
                 const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
                 for (int r = 0; r < nr; r++) {
@@ -341,14 +453,39 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
                 }
             }
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
-        const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
-        const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
+        __m256 d0, d1, m0, m1;
+        if (f <= QF_Q8) {
+            d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
+            d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
+        } else {
+            const uint8_t *sup = super_at(wg, f, b), *sc = blk + qbytes;
+            const __m256 dd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
+            const __m256 dd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16)));
+            d0 = _mm256_mul_ps(dd0, i8_ps(sc));
+            d1 = _mm256_mul_ps(dd1, i8_ps(sc + 8));
+            if (f == QF_K6) { /* m: D_hi */
+                m0 = _mm256_mul_ps(dd0, i8_ps(sc + 16));
+                m1 = _mm256_mul_ps(dd1, i8_ps(sc + 24));
+            } else {
+                m0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32))), i8_ps(sc + 16));
+                m1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 48))), i8_ps(sc + 24));
+            }
+        }
         for (int r = 0; r < nr; r++) {
-            const __m256 q = _mm256_set1_ps(sq[r * nb + b]), a = _mm256_set1_ps(sa[r * nb + b]);
-            acc[r][0] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(m0, q)), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(m1, q)), acc[r][1]);
+            const __m256 a = _mm256_set1_ps(sa[r * nb + b]);
+            __m256 c0, c1;
+            if (f == QF_K6) {
+                c0 = _mm256_fmadd_ps(d0, lo[r][0], _mm256_mul_ps(m0, _mm256_cvtepi32_ps(s0[r])));
+                c1 = _mm256_fmadd_ps(d1, lo[r][1], _mm256_mul_ps(m1, _mm256_cvtepi32_ps(s1[r])));
+            } else {
+                const __m256 q = _mm256_set1_ps(sq[r * nb + b]);
+                c0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(m0, q));
+                c1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(m1, q));
+            }
+            acc[r][0] = _mm256_fmadd_ps(a, c0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, c1, acc[r][1]);
         }
     }
     for (int r = 0; r < nr; r++) {
@@ -364,9 +501,15 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
     }
 }
 
-#define QG_CASE(B, R) \
-    case R: group_rows_avx2(wg, B, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
-static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *qa,
+#define QG_CASE(F)                                                                        \
+    switch (n) {                                                                          \
+    case 1: group_rows_avx2(wg, F, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;     \
+    case 2: group_rows_avx2(wg, F, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;     \
+    case 3: group_rows_avx2(wg, F, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;     \
+    default: group_rows_avx2(wg, F, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;    \
+    }                                                                                     \
+    break;
+static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
                        int lanes, int fetch) {
     for (int r0 = 0; r0 < nr; r0 += QG_ROWS_AVX2) { /* the tile in passes of up to 4 rows */
@@ -374,34 +517,25 @@ static void group_rows(const uint8_t *wg, int bits, int64_t nb, const int16_t *q
         const int16_t *q = qa + r0 * k;
         const float *a = sa + r0 * nb, *s = sq + r0 * nb;
         float *out = y + r0 * ldy;
-        if (bits == 4) {
-            switch (n) {
-            case 1: group_rows_avx2(wg, 4, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;
-            case 2: group_rows_avx2(wg, 4, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;
-            case 3: group_rows_avx2(wg, 4, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;
-            default: group_rows_avx2(wg, 4, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;
-            }
-        } else {
-            switch (n) {
-            case 1: group_rows_avx2(wg, 8, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;
-            case 2: group_rows_avx2(wg, 8, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;
-            case 3: group_rows_avx2(wg, 8, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;
-            default: group_rows_avx2(wg, 8, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;
-            }
+        switch (f) {
+        case QF_Q4: QG_CASE(QF_Q4)
+        case QF_Q8: QG_CASE(QF_Q8)
+        case QF_K4: QG_CASE(QF_K4)
+        case QF_K5: QG_CASE(QF_K5)
+        default: QG_CASE(QF_K6)
         }
         fetch = 0; /* the first pass brought the group's weights in */
     }
 }
 #else
-#define group_rows(wg, bits, nb, qa, sa, sq, k, nr, y, ldy, lanes, fetch) \
-    group_rows_c(wg, bits, nb, qa, sa, sq, k, nr, y, ldy, lanes)
+#define group_rows(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes, fetch) \
+    group_rows_c(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes)
 #endif
 
 /* y [rows][n] = the block-quantized product described above. */
-void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa, const float *sa,
+void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const float *sa,
              const float *sq, int64_t rows, float *y, int threads) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
-    const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
     /* spans of equal size (a whole number of tiles), at most QG_ROW_SPAN rows: threads take
      * equal counts of (span, group) pairs, so unequal spans (192 rows and 64, say) would leave
      * one thread most of the work */
@@ -415,9 +549,11 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = s * span, r1 = r0 + span < rows ? r0 + span : rows;
             const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+            int f;
+            const uint8_t *wg = group_at(w, g, &f);
             for (int64_t r = r0; r < r1; r += QG_ROWS) {
                 int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
-                group_rows(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
+                group_rows(wg, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
                            y + r * n + g * QG_LANES, n, lanes, r == r0);
             }
         }
@@ -426,25 +562,26 @@ void qg_gemm(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa
 
 /* x [rows][k] fp32 -> y [rows][n]: the activations quantized (scratch from malloc), then the
  * product. Returns -1 when the scratch cannot be allocated (y untouched), else 0. */
-int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, int64_t rows,
-              float *y, int threads) {
+int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
+              int threads) {
     const int64_t nb = k / QG_BLOCK;
     if (rows <= 0) return 0;
     int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
     qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
-    qg_gemm(w, bits, n, k, qa, sa, sq, rows, y, threads);
+    qg_gemm(w, n, k, qa, sa, sq, rows, y, threads);
     free(qa);
     return 0;
 }
 
-/* Rows idx[0..count) of a packed [n][k] weight as fp32 (out [count][k]): d * q, plus m where m is
- * not zero -- GGUF's own dequantization, value for value (d * q is exact in fp32). Rows outside
- * [0, n) are left unwritten and counted in the return value. */
-int64_t qg_dequant_rows(const uint8_t *w, int bits, int64_t n, int64_t k, const int64_t *idx,
-                        int64_t count, float *out) {
-    const int64_t nb = k / QG_BLOCK, qbytes = bits == 4 ? 256 : 512, stride = qbytes + 64;
+/* Rows idx[0..count) of a packed [n][k] weight as fp32 (out [count][k]): D * q + M, GGUF's own
+ * dequantization value for value (D * q is exact in fp32; the legacy formats add M only where it
+ * is not zero, as Q4_0 / Q8_0 / Q5_0 have none; Q6_K has none). Rows outside [0, n) are left
+ * unwritten and counted in the return value. */
+int64_t qg_dequant_rows(const uint8_t *w, int64_t n, int64_t k, const int64_t *idx, int64_t count,
+                        float *out) {
+    const int64_t nb = k / QG_BLOCK;
     int64_t bad = 0;
     for (int64_t i = 0; i < count; i++) {
         const int64_t row = idx[i];
@@ -453,21 +590,16 @@ int64_t qg_dequant_rows(const uint8_t *w, int bits, int64_t n, int64_t k, const 
             continue;
         }
         const int l = (int)(row % QG_LANES);
-        const uint8_t *wg = w + (row / QG_LANES) * nb * stride;
+        int f;
+        const uint8_t *wg = group_at(w, row / QG_LANES, &f);
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wg + b * stride;
-            const uint16_t *dh = (const uint16_t *)(blk + qbytes), *mh = dh + QG_LANES;
-            const float d = half_to_float(dh[l]), m = half_to_float(mh[l]);
+            const uint8_t *blk = block_at(wg, f, b);
+            float dlo, dhi, m;
+            lane_scales(wg, blk, f, b, l, &dlo, &dhi, &m);
             float *o = out + i * k + b * QG_BLOCK;
             for (int j = 0; j < QG_BLOCK; j++) {
-                int pair = j / 2, e = j % 2, q;
-                if (bits == 4) {
-                    uint8_t byte = blk[32 * (pair % 8) + 2 * l + e];
-                    q = pair / 8 ? byte >> 4 : byte & 0x0f;
-                } else {
-                    q = (int8_t)blk[32 * pair + 2 * l + e];
-                }
-                o[j] = m != 0.0f ? d * (float)q + m : d * (float)q;
+                const float d = j < 16 ? dlo : dhi, p = d * (float)weight_q(blk, fmt_bits(f), l, j);
+                o[j] = f == QF_K4 || f == QF_K5 || m != 0.0f ? p + m : p;
             }
         }
     }
@@ -475,14 +607,15 @@ int64_t qg_dequant_rows(const uint8_t *w, int bits, int64_t n, int64_t k, const 
 }
 
 /* The portable path on the same data, for tests: it must give the vector path's bits. */
-void qg_gemm_reference(const uint8_t *w, int bits, int64_t n, int64_t k, const int16_t *qa,
-                       const float *sa, const float *sq, int64_t rows, float *y) {
+void qg_gemm_reference(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const float *sa,
+                       const float *sq, int64_t rows, float *y) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
-    const int64_t gstride = nb * ((bits == 4 ? 256 : 512) + 64);
     for (int64_t g = 0; g < groups; g++) {
         const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+        int f;
+        const uint8_t *wg = group_at(w, g, &f);
         for (int64_t r = 0; r < rows; r++)
-            group_rows_c(w + g * gstride, bits, nb, qa + r * k, sa + r * nb, sq + r * nb, k, 1,
+            group_rows_c(wg, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, 1,
                          y + r * n + g * QG_LANES, n, lanes);
     }
 }

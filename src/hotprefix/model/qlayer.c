@@ -13,14 +13,14 @@ int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, i
                       float *q_out, void *k_cache, void *v_cache, int bf16, const int64_t *slots,
                       int64_t n_slots, int threads);
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads);
-int qg_linear(const uint8_t *w, int bits, int64_t n, int64_t k, const float *x, int64_t rows,
-              float *y, int threads);
+int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
+              int threads);
 
 /* h += pending (when not NULL); x = RMSNorm(h) * norm; qkv = x W^T (+ bias); RoPE on q and k,
  * k and v written to the pools at slots, q to q_out [rows][nh][hd]. Returns rope_write_kv's count
  * of positions outside the tables, or -1 when scratch memory ran out (nothing written then). */
 int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float eps, int64_t rows,
-                     int64_t dim, const uint8_t *w_qkv, int bits, const float *bias, int64_t nh,
+                     int64_t dim, const uint8_t *w_qkv, const float *bias, int64_t nh,
                      int64_t nkv, int64_t hd, const float *cos_t, const float *sin_t, int64_t n_pos,
                      const int64_t *pos, float *q_out, void *k_cache, void *v_cache, int bf16,
                      const int64_t *slots, int64_t n_slots, int threads) {
@@ -30,7 +30,7 @@ int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float ep
     float *qkv = x + rows * dim;
     add_rms_norm(h, pending, norm, x, rows, dim, eps, threads);
     int64_t bad = -1;
-    if (qg_linear(w_qkv, bits, width, dim, x, rows, qkv, threads) == 0) {
+    if (qg_linear(w_qkv, width, dim, x, rows, qkv, threads) == 0) {
         if (bias)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < width; j++) qkv[r * width + j] = qkv[r * width + j] + bias[j];
@@ -45,20 +45,19 @@ int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float ep
  * the residual add of mlp_out left to the next layer's norm. Returns -1 when scratch memory ran
  * out, else 0. */
 int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm, float eps,
-                  int64_t rows, int64_t dim, const uint8_t *w_o, int bits_o, const uint8_t *w_gu,
-                  int bits_gu, int64_t inter, const uint8_t *w_down, int bits_down, float *mlp_out,
-                  int threads) {
+                  int64_t rows, int64_t dim, const uint8_t *w_o, const uint8_t *w_gu, int64_t inter,
+                  const uint8_t *w_down, float *mlp_out, int threads) {
     float *attn = malloc((size_t)(rows * (2 * dim + 3 * inter)) * sizeof(float));
     if (!attn) return -1;
     float *x = attn + rows * dim, *gu = x + rows * dim, *act = gu + rows * 2 * inter;
-    int err = qg_linear(w_o, bits_o, dim, o_dim, o, rows, attn, threads);
+    int err = qg_linear(w_o, dim, o_dim, o, rows, attn, threads);
     if (!err) {
         add_rms_norm(h, attn, norm, x, rows, dim, eps, threads);
-        err = qg_linear(w_gu, bits_gu, 2 * inter, dim, x, rows, gu, threads);
+        err = qg_linear(w_gu, 2 * inter, dim, x, rows, gu, threads);
     }
     if (!err) {
         silu_mul(gu, act, rows, inter, threads);
-        err = qg_linear(w_down, bits_down, dim, inter, act, rows, mlp_out, threads);
+        err = qg_linear(w_down, dim, inter, act, rows, mlp_out, threads);
     }
     free(attn);
     return err;
@@ -71,9 +70,9 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
               const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
               int portable);
 
-/* Fields of a layer's row in qg_layers' table: pointers (as integers) and bit counts. */
-enum { QL_IN_NORM, QL_POST_NORM, QL_QKV, QL_QKV_BITS, QL_QKV_BIAS, QL_O, QL_O_BITS, QL_GU,
-       QL_GU_BITS, QL_DOWN, QL_DOWN_BITS, QL_K_CACHE, QL_V_CACHE, QL_FIELDS };
+/* Fields of a layer's row in qg_layers' table: pointers (as integers). */
+enum { QL_IN_NORM, QL_POST_NORM, QL_QKV, QL_QKV_BIAS, QL_O, QL_GU, QL_DOWN, QL_K_CACHE, QL_V_CACHE,
+       QL_FIELDS };
 
 int64_t qg_layer_fields(void) { return QL_FIELDS; }
 
@@ -100,17 +99,14 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
         const int64_t *f = table + l * QL_FIELDS;
         void *kc = (void *)f[QL_K_CACHE], *vc = (void *)f[QL_V_CACHE];
         bad = qg_layer_pre(h, l ? pending : NULL, (const float *)f[QL_IN_NORM], eps, rows, dim,
-                           (const uint8_t *)f[QL_QKV], (int)f[QL_QKV_BITS],
-                           (const float *)f[QL_QKV_BIAS], nh, nkv, hd, cos_t, sin_t, n_pos,
+                           (const uint8_t *)f[QL_QKV], (const float *)f[QL_QKV_BIAS], nh, nkv, hd, cos_t, sin_t, n_pos,
                            rope_pos, q, kc, vc, bf16, slots, n_slots, threads);
         if (!bad)
             bad = attn_rows(q, rows, nh, nkv, hd, kc, vc, bf16, bs, tables, tstride, seq, attn_pos,
                             scale, o, threads, 0);
         if (!bad && qg_layer_post(o, nh * hd, h, (const float *)f[QL_POST_NORM], eps, rows, dim,
-                                  (const uint8_t *)f[QL_O], (int)f[QL_O_BITS],
-                                  (const uint8_t *)f[QL_GU], (int)f[QL_GU_BITS], inter,
-                                  (const uint8_t *)f[QL_DOWN], (int)f[QL_DOWN_BITS], pending,
-                                  threads))
+                                  (const uint8_t *)f[QL_O], (const uint8_t *)f[QL_GU], inter,
+                                  (const uint8_t *)f[QL_DOWN], pending, threads))
             bad = -1;
     }
     if (!bad && layers > 0)

@@ -1,8 +1,9 @@
 """The ``gguf`` weight mode: GEMMs on the GGUF file's own 4- and 8-bit weight blocks (``qgemm.c``).
 
 A decode step at batch 1 reads every weight once, so its speed is the bytes held per weight: fp16
-is 2 bytes, a Q4_1 block 0.625. This mode keeps the GGUF's Q4_0 / Q4_1 / Q8_0 blocks in memory
-(repacked, not re-quantized: the same values and scales) and multiplies with them directly.
+is 2 bytes, a Q4_1 block 0.625. This mode keeps the GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks and
+its k-quants (Q4_K, Q5_K, Q6_K) in memory (repacked by ``gguf_blocks.py``, not re-quantized: the
+same values and scales) and multiplies with them directly.
 
 The activations are rounded to 16-bit integers with one scale per block of 32 inputs. The 32
 products of a block are then summed exactly in integers (AVX-512 VNNI ``vpdpwssd``), and each
@@ -13,7 +14,8 @@ vector path's bits. The 16-bit activations keep quality: an activation keeps 15 
 block's largest, where an 8-bit one (llama.cpp's Q8_1 activations) costs 3 points of top-1 on the
 quality benchmark (measured: 96.97% against 99.80%).
 
-Tensors stored in another type (F16, F32, K-quants) run through the ``mixed`` mode's fp32 GEMM.
+Tensors stored in another type (F16, F32, Q5_1, Q2_K, Q3_K ...) run through the ``mixed`` mode's
+fp32 GEMM (the loader logs which, and their fp32 size).
 """
 
 from __future__ import annotations
@@ -23,103 +25,31 @@ import torch
 
 from hotprefix.model.isa import requested_level
 from hotprefix.model.fused import check_attention
+from hotprefix.model.gguf_blocks import (BLOCK, BLOCK_BYTES, GGUF_TYPES, LANES,  # noqa: F401
+                                         block_columns, pack_weight, unpack_weight)
 
-BLOCK = 32
-"""Inputs per quantization block (GGUF Q4_0 / Q4_1 / Q8_0)."""
-LANES = 16
-"""Outputs per packed group: one AVX-512 lane each."""
 QUANT_NUMERICS = "a16"
 """The kernel's numerics in the cache namespace (activations as 16-bit integers per 32-block)."""
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-"""GGUF block types this mode multiplies with directly."""
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-"""Bytes of one GGUF block of 32 weights."""
-
-
-def unpack_gguf_blocks(kind: str, raw: np.ndarray, n: int,
-                       k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks of an [n, k] tensor -> (q [n, k/32, 32] integers, d and m [n, k/32] fp16) with
-    weight = d * q + m."""
-    nb = k // BLOCK
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[kind])
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]
-    if kind == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8)
-        return q, d, np.zeros_like(d)
-    off = 4 if kind == "Q4_1" else 2
-    qs = blocks[..., off:off + 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element i low nibble, i + 16 high
-    if kind == "Q4_1":
-        return q, d, blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    m = (d.astype(np.float32) * -8).astype(np.float16)  # exact: a power-of-two multiple
-    return q, d, m
-
-
-def pack_blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> np.ndarray:
-    """(q, d, m) of an [n, k] tensor -> the kernel's layout (see ``qgemm.c``): uint8
-    [groups, k/32, 256 or 512 + 64]."""
-    n, nb, _ = q.shape
-    groups = -(-n // LANES)
-    pad = groups * LANES - n
-    if pad:
-        q = np.concatenate([q, np.zeros((pad, nb, BLOCK), q.dtype)])
-        d = np.concatenate([d, np.zeros((pad, nb), d.dtype)])
-        m = np.concatenate([m, np.zeros((pad, nb), m.dtype)])
-    if bits == 4:
-        # input i = 16 hi + 2 j + e -> chunk j, byte 2 lane + e, nibble hi
-        t = q.astype(np.uint8).reshape(groups, LANES, nb, 2, 8, 2).transpose(0, 2, 4, 1, 5, 3)
-        qbytes = (t[..., 0] | (t[..., 1] << 4)).reshape(groups, nb, 256)
-    else:
-        t = q.astype(np.int8).reshape(groups, LANES, nb, 16, 2).transpose(0, 2, 3, 1, 4)
-        qbytes = t.reshape(groups, nb, 512).view(np.uint8)
-
-    def lanes(s: np.ndarray) -> np.ndarray:
-        return s.astype(np.float16).reshape(groups, LANES, nb).transpose(0, 2, 1).copy().view(np.uint8)
-
-    return np.ascontiguousarray(np.concatenate([qbytes, lanes(d), lanes(m)], axis=-1))
-
-
-def block_columns(kind: str, raw: np.ndarray) -> int:
-    """Input columns of a GGUF matrix held as ``raw`` bytes [rows, bytes a row] of ``kind``."""
-    return raw.shape[1] // BLOCK_BYTES[kind] * BLOCK
 
 
 class QuantWeight:
-    """A weight held in the kernel's block layout (``pack_blocks``)."""
+    """A weight held in the kernel's block layout (``gguf_blocks.pack_weight``)."""
 
-    __slots__ = ("packed", "bits", "n", "k", "nbytes")
+    __slots__ = ("packed", "formats", "n", "k", "nbytes")
 
     def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int):
         """``blocks``: (GGUF type, raw bytes [rows, bytes a row]) of tensors stacked along the
-        output dimension (Q/K/V, gate/up). All 4-bit types pack 4-bit; any 8-bit one makes the
-        whole stack 8-bit (a 4-bit value fits)."""
-        parts = [unpack_gguf_blocks(kind, raw, raw.shape[0], k) for kind, raw in blocks]
-        self.bits = 8 if any(kind == "Q8_0" for kind, _ in blocks) else 4
-        q, d, m = (np.concatenate(p) for p in zip(*parts))
-        self.n, self.k = q.shape[0], k
-        self.packed = torch.from_numpy(pack_blocks(q, d, m, self.bits))
+        output dimension (Q/K/V, gate/up); each group of 16 outputs keeps its type's format.
+        Raises ``gguf_blocks.PackError`` for a stack the layout cannot hold."""
+        buf, self.formats = pack_weight(blocks, k)
+        self.n, self.k = sum(raw.shape[0] for _, raw in blocks), k
+        self.packed = torch.from_numpy(buf)
         self.nbytes = self.packed.numel()
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 [n, k] weight the blocks hold (d * q + m in fp32), read back from the packed
-        bytes in numpy: the packing's inverse, an oracle for the C kernels' reading of it."""
-        groups, nb = self.packed.shape[:2]
-        raw = self.packed.numpy()
-        qbytes = raw.shape[-1] - 64
-        if self.bits == 4:
-            t = raw[..., :qbytes].reshape(groups, nb, 8, LANES, 2)
-            q = np.stack([t & 0x0F, t >> 4], -1)  # [g, nb, j, lane, e, hi]
-            q = q.transpose(0, 3, 1, 5, 2, 4).reshape(groups * LANES, nb, BLOCK)
-        else:
-            t = raw[..., :qbytes].view(np.int8).reshape(groups, nb, 16, LANES, 2)
-            q = t.transpose(0, 3, 1, 2, 4).reshape(groups * LANES, nb, BLOCK)
-
-        def lanes(off: int) -> np.ndarray:
-            s = raw[..., qbytes + off:qbytes + off + 32].copy().view(np.float16)  # [g, nb, lane]
-            return s.transpose(0, 2, 1).reshape(groups * LANES, nb, 1).astype(np.float32)
-
-        w = lanes(0) * q.astype(np.float32) + lanes(32)
-        return torch.from_numpy(w.reshape(groups * LANES, nb * BLOCK)[:self.n].copy())
+        """The fp32 [n, k] weight the blocks hold (``D * q + M`` in fp32), read back from the
+        packed bytes in numpy: the packing's inverse, an oracle for the C kernels' reading of it."""
+        return torch.from_numpy(unpack_weight(self.packed.numpy(), self.n, self.k))
 
 
 class BlockRows:
@@ -136,8 +66,8 @@ class BlockRows:
         flat = idx.reshape(-1).to(torch.int64).contiguous()
         w = self.weight
         out = torch.empty(flat.numel(), w.k, dtype=torch.float32)
-        bad = self.lib.qg_dequant_rows(w.packed.data_ptr(), w.bits, w.n, w.k, flat.data_ptr(),
-                                       flat.numel(), out.data_ptr())
+        bad = self.lib.qg_dequant_rows(w.packed.data_ptr(), w.n, w.k, flat.data_ptr(), flat.numel(),
+                                       out.data_ptr())
         if bad:
             raise IndexError(f"{bad} row ids outside [0, {w.n})")
         return out.view(*idx.shape, w.k)
@@ -172,8 +102,8 @@ class QuantLinear:
             return self.fallback(x, w, b)
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-        if self.lib.qg_linear(w.packed.data_ptr(), w.bits, w.n, w.k, x.data_ptr(), x.shape[0],
-                              y.data_ptr(), torch.get_num_threads()):
+        if self.lib.qg_linear(w.packed.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr(),
+                              torch.get_num_threads()):
             raise MemoryError(f"no memory for the activations of a {tuple(x.shape)} GEMM")
         return y if b is None else y + b
 
@@ -182,7 +112,7 @@ class QuantLinear:
         x = x.float().contiguous()
         qa, sa, sq = quantize_rows(self.lib, x, 1, portable=True)
         y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-        self.lib.qg_gemm_reference(w.packed.data_ptr(), w.bits, w.n, w.k, qa.data_ptr(),
+        self.lib.qg_gemm_reference(w.packed.data_ptr(), w.n, w.k, qa.data_ptr(),
                                    sa.data_ptr(), sq.data_ptr(), x.shape[0], y.data_ptr())
         return y
 
@@ -207,7 +137,7 @@ class QuantLayers:
         self._table_key: tuple = ()
 
     def _layer_table(self, layers: list[dict], kv_caches: list[tuple]) -> torch.Tensor:
-        """Each layer's norms, blocks, bit counts, bias and K/V pools, as ``qg_layers`` reads them:
+        """Each layer's norms, blocks, bias and K/V pools, as ``qg_layers`` reads them:
         built once per set of pools (the tensors it points at live as long as the model)."""
         key = tuple(k.data_ptr() for k, _ in kv_caches)
         if self._table is None or key != self._table_key:
@@ -215,9 +145,9 @@ class QuantLayers:
             for layer, (kc, vc) in zip(layers, kv_caches):
                 qkv, o, gu, down, bias = (layer[n] for n in ("qkv", "o", "gate_up", "down", "qkv_bias"))
                 rows.append([layer["in_norm"].data_ptr(), layer["post_norm"].data_ptr(),
-                             qkv.packed.data_ptr(), qkv.bits, 0 if bias is None else bias.data_ptr(),
-                             o.packed.data_ptr(), o.bits, gu.packed.data_ptr(), gu.bits,
-                             down.packed.data_ptr(), down.bits, kc.data_ptr(), vc.data_ptr()])
+                             qkv.packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             o.packed.data_ptr(), gu.packed.data_ptr(), down.packed.data_ptr(),
+                             kc.data_ptr(), vc.data_ptr()])
             assert len(rows[0]) == self.lib.qg_layer_fields()
             self._table, self._table_key = torch.tensor(rows, dtype=torch.int64), key
         return self._table
@@ -251,7 +181,7 @@ class QuantLayers:
         w, bias = layer["qkv"], layer["qkv_bias"]
         bad = self.lib.qg_layer_pre(
             h.data_ptr(), None if pending is None else pending.data_ptr(), layer["in_norm"].data_ptr(),
-            self.eps, rows, dim, w.packed.data_ptr(), w.bits, None if bias is None else bias.data_ptr(),
+            self.eps, rows, dim, w.packed.data_ptr(), None if bias is None else bias.data_ptr(),
             self.nh, self.nkv, self.hd, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), slots.shape[0],
@@ -270,8 +200,7 @@ class QuantLayers:
         wo, wgu, wd = layer["o"], layer["gate_up"], layer["down"]
         if self.lib.qg_layer_post(o.data_ptr(), o.numel() // rows,
                                   h.data_ptr(), layer["post_norm"].data_ptr(), self.eps, rows, dim,
-                                  wo.packed.data_ptr(), wo.bits, wgu.packed.data_ptr(), wgu.bits,
-                                  self.inter, wd.packed.data_ptr(), wd.bits, out.data_ptr(),
-                                  torch.get_num_threads()):
+                                  wo.packed.data_ptr(), wgu.packed.data_ptr(), self.inter,
+                                  wd.packed.data_ptr(), out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"no memory for a {rows}-row layer's activations")
         return out

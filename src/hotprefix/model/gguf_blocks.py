@@ -1,0 +1,235 @@
+"""GGUF weight blocks -> the ``gguf`` mode's packed layout (``qgemm.c``), without loss.
+
+Each GGUF block type is read into small integers and the scales that turn them into weights,
+exactly as ``gguf.quants.dequantize`` does (``w = D * q + M``), then packed in groups of 16
+outputs for the kernel. No value is re-quantized or rounded:
+
+- Q4_0, Q4_1: 4-bit ``q`` with fp16 ``D`` and ``M`` per 32 inputs (Q4_0: ``M = -8 D``, exact);
+- Q8_0 and Q5_0 (``q - 16``): int8 ``q`` with fp16 ``D`` (``M = 0``);
+- Q4_K: 4-bit ``q``; per 32 inputs the 6-bit ``sc`` and ``mn`` of the file, per 256 its fp16 ``d``
+  and ``dmin``, so ``D = d * sc`` and ``M = -dmin * mn`` are the file's own fp32 products;
+- Q5_K: the same with int8 ``q`` (0..31);
+- Q6_K: int8 ``q - 32``, one int8 scale per 16 inputs (two per 32-block) and an fp16 ``d``.
+
+The bytes held are near the file's: 0.58 a weight for Q4_K (the file: 0.5625), 1.08 for Q5_K and
+Q6_K (0.69 and 0.82), 1.125 for Q5_0 and Q8_0 (0.69 and 1.06), 0.625 for Q4_0 / Q4_1. A stack of
+tensors (Q/K/V, gate/up) keeps each group's own format; a group that holds rows of two types is
+packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the model then
+multiplies that stack in fp32).
+
+This module knows nothing about the kernels' calls: only bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+"""Inputs per kernel block (one activation scale each)."""
+LANES = 16
+"""Outputs per packed group: one AVX-512 lane each."""
+SUPER = 256
+"""Inputs per k-quant super-block (8 kernel blocks)."""
+QF_Q4, QF_Q8, QF_K4, QF_K5, QF_K6 = range(5)
+"""The kernel's group formats (``qgemm.c``'s ``QF_*``)."""
+FORMAT = {"Q4_0": QF_Q4, "Q4_1": QF_Q4, "Q8_0": QF_Q8, "Q5_0": QF_Q8,
+          "Q4_K": QF_K4, "Q5_K": QF_K5, "Q6_K": QF_K6}
+"""GGUF block type -> the format its groups are packed in."""
+GGUF_TYPES = tuple(FORMAT)
+"""GGUF block types the ``gguf`` mode multiplies with directly."""
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176,
+               "Q6_K": 210}
+"""Bytes of one GGUF block."""
+BLOCK_INPUTS = {kind: SUPER if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
+"""Inputs of one GGUF block."""
+
+
+class PackError(ValueError):
+    """Tensors that cannot share one packed weight (rows of a k-quant and of another type in one
+    group of 16)."""
+
+
+def block_columns(kind: str, raw: np.ndarray) -> int:
+    """Input columns of a GGUF matrix held as ``raw`` bytes [rows, bytes a row] of ``kind``."""
+    return raw.shape[1] // BLOCK_BYTES[kind] * BLOCK_INPUTS[kind]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """The last axis' 2 bytes as one fp16."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> 6-bit (sc, mn) [..., 8] (llama.cpp's
+    ``get_scale_min_k4``)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def decode(kind: str, raw: np.ndarray, k: int) -> tuple:
+    """GGUF blocks [n, bytes a row] of an [n, k] tensor -> its fields: ``(q, D, M)`` with q
+    [n, k/32, 32] and fp16 D, M [n, k/32] for the first four types; ``(q, s1, s2, d, d2)`` for the
+    k-quants, with int8 s1, s2 [n, k/32] (sc and mn, or Q6_K's two scales) and fp16 d, d2
+    [n, k/256] (d and -dmin; Q6_K: d and zeros)."""
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, BLOCK_BYTES[kind])
+    nb = k // BLOCK
+    if kind == "Q8_0":
+        return b[..., 2:].view(np.int8), _f16(b[..., :2]), np.zeros((n, nb), np.float16)
+    if kind in ("Q4_0", "Q4_1", "Q5_0"):
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[kind]
+        qs = b[..., off:off + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element i low nibble, i + 16 high
+        d = _f16(b[..., :2])
+        if kind == "Q4_1":
+            return q, d, _f16(b[..., 2:4])
+        if kind == "Q4_0":
+            return q, d, (d.astype(np.float32) * -8).astype(np.float16)  # exact: a power of two
+        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")[..., 0]
+        hi = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+        q = (q | (hi.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return q, d, np.zeros((n, nb), np.float16)
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _scale_min_k4(b[..., 4:16])
+        qs = b[..., -128:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        q = (qs & 0x0F).reshape(n, -1, 8, 32)  # sub-block 2i: low nibbles of 32 bytes, 2i + 1 high
+        if kind == "Q5_K":
+            qh = b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            q = (q | ((qh & 1) << 4)).astype(np.int8)
+        return (q.reshape(n, nb, 32), sc.reshape(n, nb).astype(np.int8),
+                mn.reshape(n, nb).astype(np.int8), d, (-dmin.astype(np.float32)).astype(np.float16))
+    if kind == "Q6_K":
+        ql, qh, scales, d = b[..., :128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
+        lo = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        hi = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = ((lo & 0x0F).reshape(n, -1, 8, 32) | ((hi & 3) << 4).reshape(n, -1, 8, 32))
+        q = q.astype(np.int8) - np.int8(32)
+        s = scales.view(np.int8).reshape(n, nb, 2)
+        return q.reshape(n, nb, 32), s[..., 0], s[..., 1], d, np.zeros_like(d)
+    raise PackError(f"GGUF block type {kind} has no packed layout")
+
+
+def group_bytes(fmt: int, nb: int) -> int:
+    """Bytes of one group of 16 outputs over ``nb`` blocks (``qgemm.c``'s ``qg_group_bytes``)."""
+    qbytes = 256 if fmt in (QF_Q4, QF_K4) else 512
+    return nb * (qbytes + 64) if fmt <= QF_Q8 else nb // 8 * (8 * (qbytes + 32) + 64)
+
+
+def _pad(a: np.ndarray, groups: int) -> np.ndarray:
+    """Rows padded with zeros to ``groups * LANES``."""
+    pad = groups * LANES - a.shape[0]
+    return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+
+def _lanes(s: np.ndarray, groups: int) -> np.ndarray:
+    """Per-row values [n, blocks] -> bytes [groups, blocks, 16 lanes * itemsize]."""
+    s = _pad(s, groups)
+    return s.reshape(groups, LANES, -1).transpose(0, 2, 1).copy().view(np.uint8)
+
+
+def _values(q: np.ndarray, bits: int, groups: int) -> np.ndarray:
+    """q [n, nb, 32] -> the kernel's value bytes [groups, nb, 256 or 512]."""
+    q = _pad(q, groups)
+    nb = q.shape[1]
+    if bits == 4:
+        # input i = 16 hi + 2 j + e -> chunk j, byte 2 lane + e, nibble hi
+        t = q.astype(np.uint8).reshape(groups, LANES, nb, 2, 8, 2).transpose(0, 2, 4, 1, 5, 3)
+        return (t[..., 0] | (t[..., 1] << 4)).reshape(groups, nb, 256)
+    t = q.astype(np.int8).reshape(groups, LANES, nb, 16, 2).transpose(0, 2, 3, 1, 4)
+    return t.reshape(groups, nb, 512).view(np.uint8)
+
+
+def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
+    """One format's fields for ``groups`` groups -> bytes [groups, group_bytes]."""
+    bits = 4 if fmt in (QF_Q4, QF_K4) else 8
+    vals = _values(fields[0], bits, groups)
+    if fmt <= QF_Q8:
+        _, d, m = fields
+        out = np.concatenate([vals, _lanes(d.astype(np.float16), groups),
+                              _lanes(m.astype(np.float16), groups)], axis=-1)
+        return out.reshape(groups, -1)
+    _, s1, s2, d, d2 = fields
+    nsb = d.shape[1]
+    blocks = np.concatenate([vals, _lanes(s1, groups), _lanes(s2, groups)], axis=-1)
+    sup = np.concatenate([_lanes(d, groups), _lanes(d2, groups)], axis=-1)  # [groups, nsb, 64]
+    return np.concatenate([blocks.reshape(groups, nsb, -1), sup], axis=-1).reshape(groups, -1)
+
+
+def pack_weight(parts: list[tuple[str, np.ndarray]], k: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Tensors stacked along the output dimension, each (GGUF type, raw bytes [rows, bytes a
+    row]) -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups;
+    each group's format). Raises PackError for a group mixing a k-quant with another type."""
+    kinds = [kind for kind, _ in parts]
+    sizes = [raw.shape[0] for _, raw in parts]
+    starts = np.cumsum([0, *sizes])
+    n = int(starts[-1])
+    groups = -(-n // LANES)
+    fmts = []
+    for g in range(groups):  # the formats of the parts with rows in group g
+        lo, hi = g * LANES, min(n, (g + 1) * LANES)
+        here = {FORMAT[kinds[i]] for i in range(len(parts)) if starts[i] < hi and starts[i + 1] > lo}
+        if len(here) > 1 and not here <= {QF_Q4, QF_Q8}:
+            raise PackError(f"rows of {' and '.join(sorted(set(kinds)))} share a group of "
+                            f"{LANES} outputs")
+        fmts.append(max(here))  # Q4_0 / Q4_1 rows beside 8-bit ones: packed 8-bit
+    decoded = [decode(kind, raw, k) for kind, raw in parts]
+    runs, g0 = [], 0
+    for g in range(1, groups + 1):  # consecutive groups of one format
+        if g == groups or fmts[g] != fmts[g0]:
+            runs.append((g0, g))
+            g0 = g
+    chunks = []
+    for g0, g1 in runs:
+        lo, hi = g0 * LANES, min(n, g1 * LANES)
+        pieces = [tuple(f[max(lo, s) - s:min(hi, e) - s] for f in decoded[i])
+                  for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])) if s < hi and e > lo]
+        fields = tuple(np.concatenate(col) for col in zip(*pieces))
+        chunks.append(_pack_run(fmts[g0], fields, g1 - g0))
+    sizes_g = [group_bytes(f, k // BLOCK) for f in fmts]
+    offsets = 8 * groups + np.concatenate([[0], np.cumsum(sizes_g)[:-1]]).astype(np.int64)
+    head = (offsets << 4) | np.array(fmts, np.int64)
+    buf = np.concatenate([head.view(np.uint8), *(c.reshape(-1) for c in chunks)])
+    return buf, tuple(fmts)
+
+
+def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The fp32 [n, k] weight a packed buffer holds, read back in numpy (``D * q + M``, in the
+    kernel's order): the packing's inverse, an oracle for the C kernels' reading of it."""
+    groups, nb = -(-n // LANES), k // BLOCK
+    head = np.ascontiguousarray(buf[:8 * groups]).view(np.int64)
+    out = np.empty((groups * LANES, k), np.float32)
+    for g in range(groups):
+        fmt, off = int(head[g] & 15), int(head[g] >> 4)
+        raw = buf[off:off + group_bytes(fmt, nb)]
+        bits, qbytes = (4, 256) if fmt in (QF_Q4, QF_K4) else (8, 512)
+        if fmt <= QF_Q8:
+            blk = raw.reshape(nb, qbytes + 64)
+            d = blk[:, qbytes:qbytes + 32].copy().view(np.float16).astype(np.float32)  # [nb, lane]
+            m = blk[:, qbytes + 32:].copy().view(np.float16).astype(np.float32)
+            dlo = dhi = d
+        else:
+            sb = raw.reshape(nb // 8, -1)
+            blk = sb[:, :-64].reshape(nb, qbytes + 32)
+            sc = blk[:, qbytes:].copy().view(np.int8).astype(np.float32)  # [nb, 32]
+            dd = np.repeat(sb[:, -64:].copy().view(np.float16).astype(np.float32), 8, axis=0)
+            dlo = dd[:, :16] * sc[:, :16]
+            dhi = dd[:, :16] * sc[:, 16:] if fmt == QF_K6 else dlo
+            m = np.zeros_like(dlo) if fmt == QF_K6 else dd[:, 16:] * sc[:, 16:]
+        v = blk[:, :qbytes]
+        if bits == 4:
+            t = v.reshape(nb, 8, LANES, 2)
+            q = np.stack([t & 0x0F, t >> 4], -1).transpose(2, 0, 4, 1, 3)  # [lane, nb, hi, j, e]
+        else:
+            q = v.view(np.int8).reshape(nb, 16, LANES, 2).transpose(2, 0, 1, 3)
+        q = q.reshape(LANES, nb, BLOCK).astype(np.float32)
+        scale = np.concatenate([np.repeat(dlo.T[..., None], 16, -1),
+                                np.repeat(dhi.T[..., None], 16, -1)], -1)  # [lane, nb, 32]
+        w = scale * q
+        mm = np.broadcast_to(m.T[..., None], w.shape)
+        add = mm != 0 if fmt <= QF_Q8 else np.full(w.shape, fmt != QF_K6)  # as qg_dequant_rows
+        w = np.where(add, w + mm, w)
+        out[g * LANES:(g + 1) * LANES] = w.reshape(LANES, k)
+    return out[:n]

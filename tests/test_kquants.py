@@ -1,0 +1,186 @@
+"""The gguf mode on Q5_0 and the k-quants (Q4_K, Q5_K, Q6_K): their blocks repacked without loss
+(``gguf_blocks.py``: the same fp32 weights as ``gguf.quants.dequantize``, bit for bit), multiplied
+by ``qgemm.c`` with every ISA level giving the portable reference's bits whatever the rows beside
+a row, and a GGUF file of such tensors loaded in the gguf mode holding about the file's bytes."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from hotprefix.model.fused import library
+from hotprefix.model.gguf_blocks import (BLOCK_BYTES, QF_K4, QF_K5, QF_K6, QF_Q8, PackError,
+                                         group_bytes)
+from hotprefix.model.isa import runnable_levels
+from hotprefix.model.qlinear import BlockRows, QuantLinear, QuantWeight
+
+LIB = library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the gguf mode is not offered")
+LEVELS = [lv.name for lv in runnable_levels()]
+KINDS = ["Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+T = gguf.GGMLQuantizationType
+
+
+def make(kind: str, n: int, k: int, seed: int = 0) -> tuple[str, np.ndarray, torch.Tensor]:
+    """(kind, raw blocks [n, bytes a row], gguf's dequantization of them). gguf-py quantizes Q5_0;
+    the k-quants' blocks are random bytes (every value and 6-bit scale pattern) with finite fp16
+    super-block scales of either sign, a few of them zero."""
+    rng = np.random.default_rng(seed)
+    if kind == "Q5_0":
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+        raw = quantize(w, T.Q5_0).reshape(n, -1)
+    else:
+        nsb = k // 256
+        b = rng.integers(0, 256, (n, nsb, BLOCK_BYTES[kind]), dtype=np.uint8)
+        d = (rng.standard_normal((n, nsb, 2)) * 1e-3).astype(np.float16)
+        d[rng.random((n, nsb, 2)) < 0.05] = 0
+        if kind == "Q6_K":
+            b[..., 208:210] = d[..., :1].copy().view(np.uint8)
+        else:
+            b[..., 0:4] = d.view(np.uint8)
+        raw = b.reshape(n, -1)
+    deq = dequantize(raw, T[kind]).reshape(n, k).astype(np.float32)
+    return kind, raw, torch.from_numpy(np.ascontiguousarray(deq))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_repacked_blocks_hold_ggufs_own_weights(kind):
+    """The packed weight read back (numpy oracle, and the C rows the LM head and a tied
+    embedding use) is gguf's dequantization to the bit, -0.0 included; the bytes held per weight
+    stay near the file's."""
+    _, raw, deq = make(kind, 40, 512, seed=len(kind))
+    w = QuantWeight([(kind, raw)], 512)
+    fmt = {"Q5_0": QF_Q8, "Q4_K": QF_K4, "Q5_K": QF_K5, "Q6_K": QF_K6}[kind]
+    assert w.formats == (fmt,) * 3
+    assert w.nbytes == 3 * (8 + group_bytes(fmt, 16)) == 3 * (8 + LIB.qg_group_bytes(fmt, 16))
+    per_weight = (w.nbytes / 3) / (16 * 512)
+    file_per_weight = raw.nbytes / (40 * 512)
+    assert per_weight <= {"Q5_0": 1.64, "Q4_K": 1.04, "Q5_K": 1.89, "Q6_K": 1.32}[kind] * file_per_weight
+    assert same_bits(w.dequantize(), deq)
+    ids = torch.tensor([[39, 0, 17], [16, 31, 5]])
+    assert same_bits(BlockRows(LIB, w)[ids], deq[ids])
+
+
+def test_a_stack_keeps_each_groups_format_and_refuses_a_shared_k_group():
+    parts = [make("Q4_K", 32, 256, 1), make("Q6_K", 16, 256, 2), make("Q5_0", 16, 256, 3),
+             make("Q5_K", 16, 256, 4)]
+    w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 256)
+    assert w.formats == (QF_K4, QF_K4, QF_K6, QF_Q8, QF_K5)
+    assert same_bits(w.dequantize(), torch.cat([deq for _, _, deq in parts]))
+    with pytest.raises(PackError, match="share a group"):
+        QuantWeight([(k, r[:24]) for k, r, _ in parts[:2]], 256)  # rows 16-31: Q4_K and Q6_K
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
+    """At each ISA level, on a stack of every new format with a partial last group: a row's bits
+    in any slice of the batch, on one thread, equal the portable reference's; and the product is
+    within the 16-bit activations' rounding of exact arithmetic on gguf's weights."""
+    parts = [make("Q4_K", 48, 512, 5), make("Q6_K", 32, 512, 6), make("Q5_K", 16, 512, 7),
+             make("Q5_0", 21, 512, 8)]
+    w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 512)
+    deq = torch.cat([d for _, _, d in parts])
+    lin = QuantLinear(library(level), None)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 512, generator=g) * torch.logspace(-2, 2, 512)
+    x[3, :32] *= 1e5  # one block far above the rest
+    full = lin(x, w, None)
+    for lo, hi in [(0, 1), (5, 6), (3, 8), (0, 6), (5, 18), (1, 37), (2, 17)]:
+        assert same_bits(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
+    torch.set_num_threads(1)
+    try:
+        assert same_bits(lin(x, w, None), full)
+    finally:
+        torch.set_num_threads(2)
+    assert same_bits(lin.reference(x, w), full)
+    assert same_bits(QuantLinear(library("portable"), None)(x, w, None), full)
+    ref = x.double() @ deq.double().T
+    err = ((full.double() - ref).abs() / (x.double().abs() @ deq.double().abs().T).clamp(min=1e-30)).max()
+    assert err < 2e-4, err.item()
+
+
+def _write_gguf(path, kinds: dict[str, str], seed: int = 0) -> dict[str, np.ndarray]:
+    """A 2-layer llama GGUF (hidden 256, MLP 512, 4 heads of 64, 2 KV heads, vocab 64) with the
+    matrices in ``kinds`` (GGUF tensor name part -> type); returns the raw bytes by tensor name."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(512)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(64)
+    raws = {}
+
+    def matrix(name: str, kind: str, n: int, k: int, s: int):
+        _, raw, _ = make(kind, n, k, seed=s)
+        if kind == "Q5_0":  # bigger weights than make's default so the model's signal is not noise
+            raw = quantize(np.random.default_rng(s).standard_normal((n, k)).astype(np.float32) * 0.3,
+                           T.Q5_0).reshape(n, -1)
+        raws[name] = raw
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
+
+    matrix("token_embd.weight", kinds["token_embd"], 64, 256, seed)
+    ones = np.ones(256, np.float32)
+    w.add_tensor("output_norm.weight", ones)
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        for j, (part, (n, k)) in enumerate(shapes.items()):
+            matrix(f"blk.{i}.{part}.weight", kinds[part], n, k, seed + 10 * i + j + 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return raws
+
+
+def test_a_k_quant_gguf_loads_in_the_gguf_mode_near_its_file_size(tmp_path):
+    """Q4_K / Q6_K / Q5_K / Q5_0 matrices as llama-quantize's Q4_K_M writes them: the loader keeps
+    their blocks, the model multiplies with them (no dense copy: about the file's bytes), its
+    logits follow the mixed mode on gguf's dequantized weights, and a prefix's rows computed alone
+    have the bits they have inside the longer prefill (cold == warm)."""
+    from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+    from hotprefix.model.llama import LlamaModel
+    from hotprefix.model.loader import load_model
+
+    kinds = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+             "attn_output": "Q5_0", "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
+    raws = _write_gguf(tmp_path / "tiny-k.gguf", kinds)
+    loaded = load_model(str(tmp_path / "tiny-k.gguf"))
+    assert {kind for kind, _ in loaded.blocks.values()} == {"Q4_K", "Q5_K", "Q6_K", "Q5_0"}
+    cpu = torch.device("cpu")
+    quant = LlamaModel(loaded.arch, loaded.weights, cpu, torch.bfloat16, "gguf", True, loaded.blocks)
+    assert quant.weight_mode == "gguf"
+    layer = quant.layers[0]
+    assert layer["qkv"].formats == (QF_K4,) * 24 + (QF_K6,) * 8
+    assert set(layer["gate_up"].formats) == {QF_K4, QF_K5} and set(layer["down"].formats) == {QF_K6}
+    assert isinstance(quant.lm_head, QuantWeight) and isinstance(quant.embed, BlockRows)
+    file_bytes = sum(r.nbytes for r in raws.values())
+    assert file_bytes < quant.weight_bytes() < 1.5 * file_bytes, (quant.weight_bytes(), file_bytes)
+    mixed = LlamaModel(loaded.arch, loaded.weights, cpu, torch.bfloat16, "mixed", True)
+
+    def run(model, ids):
+        caches = [(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+                   torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)) for _ in range(2)]
+        n = len(ids)
+        meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n, torch.arange(4))])
+        return model.forward(torch.tensor(ids), torch.arange(n), caches, meta, None)
+
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    fast, ref = run(quant, ids), run(mixed, ids)
+    assert fast.shape == (40, 64)
+    assert (fast - ref).abs().max() < 3e-2 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
+    assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert same_bits(run(quant, ids[:23]), fast[:23])
