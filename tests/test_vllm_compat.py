@@ -100,8 +100,9 @@ def test_vllm_sampling_params_as_vllm_code_writes_them():
                         skip_special_tokens=True)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.max_tokens) == (0.8, 0.95, 50, 1, 8)
     assert dataclasses.replace(sp, seed=2).seed == 2
-    with pytest.raises(SamplingError, match="'n'.*send the prompt n times"):
-        SamplingParams(n=4)
+    assert SamplingParams(n=4, best_of=6).num_sequences == 6
+    with pytest.raises(SamplingError, match="min_p"):
+        SamplingParams(min_p=0.1)
     with pytest.raises(TypeError, match="no_such_field"):
         SamplingParams(no_such_field=1)
 
@@ -113,10 +114,15 @@ def test_sampling_params_changed_after_construction_count_or_are_refused():
     sp = SamplingParams(temperature=0, max_tokens=4)
     sp.stop = ["."]
     assert sp.stop_list == ["."]
-    sp.n = 1  # asks for nothing: accepted, not stored
-    for name, value in [("n", 3), ("logprobs", 5), ("presence_penalty", 1.5)]:
+    sp.n, sp.logprobs, sp.presence_penalty = 3, 5, 1.5  # fields hotprefix has: kept
+    assert (sp.n, sp.logprobs, sp.presence_penalty) == (3, 5, 1.5)
+    sp.min_p = 0  # asks for nothing: accepted, not stored
+    for name, value in [("min_p", 0.2), ("bad_words", ["x"])]:
         with pytest.raises(SamplingError, match=f"'{name}'"):
             setattr(sp, name, value)
+    sp.n = 0
+    with pytest.raises(SamplingError, match="n must be"):
+        sp.validate()  # as add_request does
     with pytest.raises(AttributeError, match="no field 'stop_strings'"):
         sp.stop_strings = ["."]
 

@@ -1,9 +1,12 @@
 """Sampling parameters (validated) and the sampler.
 
-Greedy when temperature is below ``MIN_TEMPERATURE`` (0 included); otherwise temperature, top-k and
-top-p, drawn from a per-request ``torch.Generator`` so a seeded request gives the same tokens whatever
-else is in the batch. This module holds the greedy threshold and the default ``max_tokens``
-(``DEFAULT_MAX_TOKENS``), so no caller keeps a copy of either.
+Each row's logits first go through the request's own processing (``hotprefix.logits``: logit_bias,
+penalties, the constraint mask, in that order). Then greedy when temperature is below
+``MIN_TEMPERATURE`` (0 included); otherwise temperature, top-k and top-p, drawn from a per-sequence
+``torch.Generator`` so a seeded request gives the same tokens whatever else is in the batch. Log
+probabilities are the log-softmax of the distribution the token was drawn from (after penalties and
+temperature, before top-k/top-p truncation). This module holds the greedy threshold and the default
+``max_tokens`` (``DEFAULT_MAX_TOKENS``), so no caller keeps a copy of either.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import functools
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from hotprefix.logits import RowInput, needs_processing, process
 from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
 from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, drop_accepted
 
@@ -32,6 +37,16 @@ MAX_STOP_SEQUENCES = 64
 token, in the engine thread that serves every request (OpenAI takes 4)."""
 MAX_STOP_CHARS = 1000
 """Longest stop string (characters)."""
+MAX_N = 64
+"""Most sequences one request may ask for (``n``, ``best_of``): each decodes like a request."""
+MAX_LOGPROBS = 20
+"""Most top log probabilities per token (OpenAI's chat limit; its completions API takes 5)."""
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one ``logit_bias`` may name."""
+MAX_ABS_BIAS = 100.0
+"""``logit_bias`` values lie in [-MAX_ABS_BIAS, MAX_ABS_BIAS] (OpenAI's range)."""
+MAX_ABS_PENALTY = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in [-2, 2] (OpenAI's range)."""
 
 
 class SamplingError(ValueError):
@@ -62,6 +77,27 @@ class SamplingParams:
     """Extra token ids that end generation (EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    n: int = 1
+    """Sequences returned for the prompt, computed once: the sequences fork from its blocks.
+    Sequence ``i`` draws from ``choice_seed(seed, i)``, so its tokens do not depend on ``n``."""
+    best_of: int | None = None
+    """Sequences generated (>= n; None = n); the ``n`` with the highest cumulative log
+    probability are returned, best first."""
+    logprobs: int | None = None
+    """Log probabilities of each generated token plus this many most likely alternatives
+    (0..MAX_LOGPROBS); None = none."""
+    prompt_logprobs: int | None = None
+    """Log probabilities of each prompt token (after the first) plus this many alternatives. The
+    logits of every prompt position are needed, so the request does not read the prefix cache."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI's definition), in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated (OpenAI's), in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """vLLM's and Hugging Face's: the logit of a token in the prompt or the output is divided by
+    it when positive, multiplied by it when not; > 0, 1 = off."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit, in [-100, 100] (-100 bans a token, +100 forces it)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (``hotprefix.structured``;
     vLLM's field; a dict of its fields or vLLM's ``guided_decoding`` is read as one)."""
@@ -128,6 +164,54 @@ class SamplingParams:
             raise SamplingError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_SEQUENCES:
             raise SamplingError(f"stop_token_ids takes at most {MAX_STOP_SEQUENCES} ids", "stop_token_ids")
+        self._validate_extras(num)
+
+    def _validate_extras(self, num: Callable[[str, Any], None]) -> None:
+        """n, best_of, log probabilities, penalties and logit_bias."""
+        def integer(name: str, v: Any, lo: int, hi: int) -> None:
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise SamplingError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}", name)
+
+        integer("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            integer("best_of", self.best_of, 1, MAX_N)
+            if self.best_of < self.n:
+                raise SamplingError(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, getattr(self, name), 0, MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            num(name, v)
+            if not -MAX_ABS_PENALTY <= v <= MAX_ABS_PENALTY:  # NaN fails too
+                raise SamplingError(f"{name} must be in [-2, 2], got {v}", name)
+        num("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty < math.inf:
+            raise SamplingError(f"repetition_penalty must be a finite number > 0, got "
+                                f"{self.repetition_penalty}", "repetition_penalty")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise SamplingError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
+                                    "numbers", "logit_bias")
+            for tok, v in bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                        f"{tok!r}", "logit_bias")
+                num("logit_bias", v)
+                if not -MAX_ABS_BIAS <= v <= MAX_ABS_BIAS:
+                    raise SamplingError(f"logit_bias values must be in [-100, 100], got {v} for "
+                                        f"token {tok}", "logit_bias")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences to generate: ``best_of`` if set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """Whether each drawn token's log probability is needed (asked for, or to pick best_of)."""
+        return self.logprobs is not None or self.num_sequences > self.n
 
     @property
     def greedy(self) -> bool:
@@ -157,39 +241,95 @@ def _with_vllm_fields(init):
 SamplingParams.__init__ = _with_vllm_fields(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request seeded ``seed``: the seed itself for sequence
+    0 (so ``n=1`` and the first of ``n=4`` agree), a hash of both for the others."""
+    if index == 0:
+        return seed % 2**64
+    digest = hashlib.sha256(f"hotprefix/choice-seed\0{seed}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | None:
+    """The random stream of sequence ``index`` of a request (None when greedy)."""
     if params.greedy:
         return None
     g = torch.Generator()
     if params.seed is not None:
-        g.manual_seed(params.seed % 2**64)
+        g.manual_seed(choice_seed(params.seed, index))
     else:
         g.seed()
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None],
-           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
-    """One token per row of ``logits`` ([rows, vocab], float32); ``argmax``: each row's argmax
-    (the model's kernel; by default torch's), taken only when a row is greedy."""
-    greedy = None
-    if any(p.greedy for p in params):
-        greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1).tolist()
+@dataclass
+class Sampled:
+    """One drawn token and, when the request needs them, its log probabilities."""
+
+    token: int
+    logprob: float | None = None
+    """log-softmax of the token under the distribution it was drawn from."""
+    rank: int | None = None
+    """1 + the number of tokens more likely than it."""
+    top: list[tuple[int, float]] | None = None
+    """The ``logprobs`` most likely tokens with their log probabilities, most likely first."""
+
+
+def log_probs(dist: torch.Tensor, token: int, k: int | None) -> tuple[float, int, list[tuple[int, float]]]:
+    """(logprob of ``token``, its rank, the ``k`` most likely (id, logprob)) under ``dist`` (logits)."""
+    lsm = torch.log_softmax(dist.to(torch.float32), dim=-1)
+    lp = lsm[token]
+    rank = int((lsm > lp).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if k:
+        vals, ids = torch.topk(lsm, k)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return float(lp), rank, top
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """A token from temperature-scaled logits ``row`` under top-k and top-p."""
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowInput],
+           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[Sampled]:
+    """One token per row of ``logits`` ([rows, vocab], float32), each row processed with its own
+    request's parameters and tokens only (``hotprefix.logits.process``: never another row's).
+
+    Args:
+        rows: per row, the sequence's parameters, random stream and tokens so far.
+        argmax: each row's argmax (the model's kernel; by default torch's), taken when greedy.
+    """
+    argmax = argmax or (lambda t: t.argmax(dim=-1).tolist())
+    plain = [i for i, r in enumerate(rows) if r.params.greedy and not needs_processing(r)]
+    greedy = dict(zip(plain, argmax(logits[plain]))) if plain else {}
     out = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            out.append(int(greedy[i]))
+    for i, r in enumerate(rows):
+        p = r.params
+        if i in greedy and not p.needs_logprob:
+            out.append(Sampled(int(greedy[i])))
             continue
-        row = logits[i].to("cpu", torch.float32) / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
-            keep[0] = True
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        dist = logits[i].to("cpu", torch.float32)
+        if needs_processing(r):
+            dist = process(dist, r)
+        if p.greedy:
+            tok = int(greedy[i]) if i in greedy else int(argmax(dist.unsqueeze(0).contiguous())[0])
+        else:
+            dist = dist / p.temperature
+            tok = _draw(dist, p, r.generator)
+        if not p.needs_logprob:
+            out.append(Sampled(tok))
+            continue
+        lp, rank, top = log_probs(dist, tok, p.logprobs)
+        out.append(Sampled(tok, lp, rank, top))
     return out

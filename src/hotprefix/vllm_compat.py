@@ -111,17 +111,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
 """vLLM engine and server options hotprefix does not have."""
 
 SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
-    "n": Unsupported("one completion per request: send the prompt n times (its prefix is computed once, "
-                     "then read from cache) with different seeds", (1,)),
-    "best_of": Unsupported("one completion per request", (None, 1)),
-    "presence_penalty": Unsupported("no penalties: use temperature, top_p, top_k", (0,)),
-    "frequency_penalty": Unsupported("no penalties: use temperature, top_p, top_k", (0,)),
-    "repetition_penalty": Unsupported("no penalties: use temperature, top_p, top_k", (1,)),
     "min_p": Unsupported("use top_p or top_k", (0,)),
     "min_tokens": Unsupported("ignore_eos=True with max_tokens gives a fixed length", (0,)),
-    "logprobs": Unsupported("no log probabilities are computed"),
-    "prompt_logprobs": Unsupported("no log probabilities are computed"),
-    "logit_bias": Unsupported("no logit bias"),
     "allowed_token_ids": Unsupported("no token restrictions"),
     "bad_words": Unsupported("no token restrictions"),
     "logits_processors": Unsupported("no logits processors"),
@@ -132,7 +123,8 @@ SAMPLING_UNSUPPORTED: dict[str, Unsupported] = {
     "spaces_between_special_tokens": Unsupported("special tokens are left out of the text", (True,)),
 }
 """vLLM ``SamplingParams`` fields hotprefix does not have (those it has keep vLLM's names:
-temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)."""
+temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, n, best_of,
+logprobs, prompt_logprobs, presence_penalty, frequency_penalty, repetition_penalty, logit_bias)."""
 
 REQUEST_UNSUPPORTED: dict[str, Unsupported] = {
     "lora_request": Unsupported("no LoRA adapters: merge the adapter into the weights"),
@@ -241,21 +233,39 @@ def flag_aliases() -> dict[str, list[str]]:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: one token's log probability at one position."""
+
+    logprob: float
+    rank: int | None = None
+    """1 + the number of tokens more likely than this one."""
+    decoded_token: str | None = None
+    """The token's text."""
+
+
+TokenLogprobs = dict[int, Logprob]
+"""One position's log probabilities (vLLM's shape): the chosen token's and the top alternatives',
+in order of rank (the chosen token first when it is outside the top)."""
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
-    """One completion in vLLM's shape (``RequestOutput.outputs[0]``); hotprefix makes one per request."""
+    """One completion in vLLM's shape (``RequestOutput.outputs[i]``): one per sequence (``n``)."""
 
     index: int
-    """Position among the request's completions (always 0)."""
+    """Position among the request's completions."""
     text: str
-    """The generated text (equal to ``RequestOutput.text``)."""
+    """The generated text (``RequestOutput.text`` is the first completion's)."""
     token_ids: list[int]
     """The generated token ids."""
     finish_reason: str | None
     """``stop``, ``length``, ``abort``; None while unfinished."""
     cumulative_logprob: float | None = None
-    """Always None: hotprefix computes no log probabilities."""
-    logprobs: None = None
-    """Always None: hotprefix computes no log probabilities."""
+    """Sum of the generated tokens' log probabilities (None unless logprobs or best_of asked)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Per generated token, its log probabilities (None unless ``logprobs`` was asked)."""
+    new_text: str = ""
+    """hotprefix's: text added since this sequence's previous output (streaming)."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

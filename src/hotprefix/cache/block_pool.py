@@ -110,6 +110,13 @@ class BlockPool:
             b.num_hits += 1
             self.policy.on_hit(b)
 
+    def share(self, blocks: Sequence[KVBlock]) -> None:
+        """One more reference on blocks already in use (a forked sequence shares its prompt's)."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"sharing block {b.block_id}, which is not in use")
+            b.ref_cnt += 1
+
     def allocate(self, n: int) -> list[KVBlock] | None:
         """``n`` blocks with refcount 1, or None (and nothing taken) if the pool cannot supply them."""
         if n > self.num_free:

@@ -98,9 +98,10 @@ class KVCacheManager:
         """Cached blocks for the longest matching run of leading full blocks (blocks a finished
         tier fetch brought in count: they are installed in the pool first).
 
-        Never covers the last known token: it must be computed to have logits.
+        Never covers the last known token: it must be computed to have logits. Nothing for a
+        request that does not read the cache (``read_cache=False``).
         """
-        if not self.enabled:
+        if not self.enabled or not req.read_cache:
             return []
         if self.tiers is not None:
             self.tiers.install(self, req)
@@ -281,6 +282,35 @@ class KVCacheManager:
                 del self.pending[key]
         self.pool.free(st.blocks)
 
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Let ``child``, another sequence of ``parent``'s prompt, start from ``parent``'s K/V of
+        its first ``num_tokens`` tokens: one more reference on each full block, and a fresh block
+        for a partial last one (copy-on-write at the fork: the two sequences write different
+        tokens into it next).
+
+        Returns:
+            The (parent's block id, child's block id) pairs whose contents the caller copies
+            (none when ``num_tokens`` ends on a block boundary), or None, taking nothing, when the
+            pool has no block for the copy.
+        """
+        st = self._reqs[parent.request_id]
+        n_full = num_tokens // self.block_size
+        partial = num_tokens % self.block_size != 0
+        new: list[KVBlock] = []
+        if partial:
+            got = self.pool.allocate(1)
+            if got is None:
+                return None
+            new = got
+        shared = st.blocks[:n_full]
+        self.pool.share(shared)
+        self._reqs[child.request_id] = _ReqState(
+            blocks=shared + new, num_committed=min(st.num_committed, n_full),
+            num_hit_blocks=min(st.num_hit_blocks, n_full), write_stopped=st.write_stopped,
+            tail_ok=st.tail_ok)
+        child.block_keys = list(self.keys(parent)[:n_full])
+        return [(st.blocks[n_full].block_id, new[0].block_id)] if partial else []
+
     def reset(self) -> dict[str, int]:
         """Drop every free cached block; blocks in use stay. Returns counts."""
         dropped, kept = self.pool.reset()
@@ -302,6 +332,10 @@ class KVCacheManager:
             rep.sources = {"pool": cached_tokens}
         if not self.enabled:
             rep.miss_reason, rep.detail = MissReason.COLD, {"note": "prefix caching is disabled"}
+        elif not req.read_cache:
+            rep.miss_reason = MissReason.READ_SKIPPED
+            rep.detail = {"note": "prompt log probabilities need the logits of every prompt "
+                                  "position: the cache was not read"}
         elif cacheable == 0:
             rep.miss_reason = MissReason.TOO_SHORT
             rep.detail = {"note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the "

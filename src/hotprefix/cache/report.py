@@ -31,6 +31,9 @@ class MissReason(StrEnum):
     """This tenant cached these tokens under another model or tokenizer fingerprint."""
     NOT_ADMITTED = "not_admitted"
     """The request ended before it was scheduled (aborted, or refused by the scheduler)."""
+    READ_SKIPPED = "read_skipped"
+    """The request did not read the cache: it asked for what a hit cannot give (prompt log
+    probabilities need the logits of every prompt position). Says nothing about what is cached."""
     SALT = "salt"
     """Operator-only: another tenant holds the same tokens. A tenant sees ``cold``/``extended``."""
 

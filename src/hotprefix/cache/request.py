@@ -35,6 +35,10 @@ class CacheRequest:
     expect_reuse: bool = False
     """The client expects this prompt to recur (``prompt_cache_key``): its blocks are written even
     where ``admission_tail_tokens`` would hold the tail of a new long prompt back."""
+    read_cache: bool = True
+    """False = compute every prompt token, reading nothing from the cache (prompt log
+    probabilities need each position's logits); the report's reason is ``read_skipped``. Its
+    blocks are still written."""
     block_keys: list[BlockKey] = field(default_factory=list)
     """Keys of the full blocks of token_ids, filled lazily by the manager. A caller may give some
     up front (a trace replay that hashed the trace once): they must be the manager's hasher's keys

@@ -8,6 +8,7 @@ know nothing about text.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -29,9 +30,9 @@ from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
 from hotprefix.events import open_kv_events
 from hotprefix.model.loader import load_model
-from hotprefix.sampling import SamplingParams, make_generator
+from hotprefix.sampling import Sampled, SamplingError, SamplingParams, make_generator
 from hotprefix.tokenizer import Tokenizer
-from hotprefix.vllm_compat import CompletionOutput
+from hotprefix.vllm_compat import CompletionOutput, Logprob, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ ALL_TENANTS = object()
 
 @dataclass
 class RequestOutput:
-    """What a caller gets back for one request (incrementally while streaming)."""
+    """What a caller gets back for one request (incrementally while streaming). The top-level
+    text and tokens are the first sequence's; ``outputs`` holds every sequence (``n``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -68,11 +70,24 @@ class RequestOutput:
     prompt: str | None = None
     """The prompt's text, set by the offline ``LLM`` (the template's text for ``chat``); None when the
     prompt was given as token ids, and from the engine itself."""
+    completions: list[CompletionOutput] | None = None
+    """Every sequence of the request (None: the one sequence above, as ``outputs`` builds it)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """vLLM's shape: per prompt token its log probabilities (None for the first), when asked."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: one completion, ``outputs[0].text == text`` (``hotprefix.vllm_compat``)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        """vLLM's shape: one completion per sequence, ``outputs[0].text == text``
+        (``hotprefix.vllm_compat``)."""
+        if self.completions is not None:
+            return self.completions
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                 new_text=self.new_text)]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated over every sequence."""
+        return sum(len(c.token_ids) for c in self.outputs)
 
     @property
     def mean_token_latency_s(self) -> float | None:
@@ -116,6 +131,9 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        """Unfinished requests by id (a group's first sequence)."""
+        self.groups: dict[str, list[Request]] = {}
+        """Every sequence of each unfinished request, by the request's id (``n`` / ``best_of``)."""
         self._ids = itertools.count()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id, while unfinished
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
@@ -145,28 +163,43 @@ class LLMEngine:
         vocab = self.runner.arch.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise SamplingError(f"logit_bias names token {max(params.logit_bias)}; this model's "
+                                f"token ids are in [0, {vocab})", "logit_bias")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"duplicate request id {rid}", "duplicate_request_id")
-        req = Request(request_id=rid, token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                      salt=cache_salt, salt_from_block=salt_from_block, cache_write=cache_write,
-                      priority=priority, pin_ttl_s=pin_ttl_s,
-                      pin_breakpoints=tuple((int(t), float(s)) for t, s in pin_breakpoints),
-                      expect_reuse=expect_reuse, params=params, generator=make_generator(params))
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+        seqs = [Request(request_id=rid if i == 0 else f"{rid}#{i}", token_ids=list(token_ids),
+                        num_prompt_tokens=len(token_ids), salt=cache_salt,
+                        salt_from_block=salt_from_block, cache_write=cache_write,
+                        priority=priority, pin_ttl_s=pin_ttl_s,
+                        pin_breakpoints=tuple((int(t), float(s)) for t, s in pin_breakpoints),
+                        expect_reuse=expect_reuse, read_cache=params.prompt_logprobs is None,
+                        params=params, generator=make_generator(params, i), index=i, group_id=rid)
+                for i in range(params.num_sequences)]
+        req = seqs[0]
+        req.forks = seqs[1:]
+        for seq in seqs:
+            if arrival_time is not None:
+                seq.arrival_time = arrival_time
         self.scheduler.add(req)
         self.cache.start_tier_fetch(req)
         self.requests[rid] = req
-        self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, params.stop_list)
+        self.groups[rid] = seqs
+        for seq in seqs:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop_list)
         return req
 
     def abort(self, request_id: str) -> bool:
+        """End a request, every sequence of it, and release their blocks; False if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self._detokenizers.pop(request_id, None)
-        self.scheduler.finish(req, "abort")
+        for seq in self.groups.pop(request_id, [req]):
+            self._detokenizers.pop(seq.request_id, None)
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        req.forks = []
         return True
 
     @property
@@ -188,27 +221,68 @@ class LLMEngine:
             if self.cache.tiers is None or not self.cache.tiers.wait_any(TIER_WAIT_S):
                 time.sleep(IDLE_WAIT_S)
         t0 = time.monotonic()
-        sampled = self.runner.run(sched.chunks, tables)
+        sampled, prompt_lps = self.runner.run(sched.chunks, tables)
         if self.cache.tiers is not None:
             self.cache.tiers.observe_compute(sched.num_tokens, time.monotonic() - t0)
-        advanced = self.scheduler.update(sched, sampled)
+        for req, pos, s in prompt_lps:
+            req.prompt_logprobs[pos] = self._position(s)
+        advanced = self.scheduler.update(sched, {rid: s.token for rid, s in sampled.items()})
+        advanced += self._fork(advanced, sampled)
         now = time.monotonic()
-        outputs = [self._postprocess(req, now) for req in advanced]
-        outputs += [self._output(req) for req in sched.finished if req.request_id in self.requests]
+        for req in advanced:
+            self._record_sampled(req, sampled[req.request_id])
+        touched = [self._postprocess(req, now) for req in advanced]
+        for req in sched.finished:  # ended by the scheduler: its unforked sequences end with it
+            for child in req.forks:
+                self.scheduler.finish(child, req.finish_reason or "length")
+            req.forks = []
+            touched.append(req)
+        outputs = []
+        for gid in dict.fromkeys(r.group_id for r in touched):
+            if gid in self.requests:
+                outputs.append(self._output(self.requests[gid]))
         for o in outputs:
             if o.finished:
                 self.requests.pop(o.request_id, None)
-                self._detokenizers.pop(o.request_id, None)
+                for seq in self.groups.pop(o.request_id, []):
+                    self._detokenizers.pop(seq.request_id, None)
         self.cache.ledger.flush()
         for cb in self.on_step:
             cb({"num_tokens": sched.num_tokens, "outputs": outputs})
         return outputs
 
-    def _postprocess(self, req: Request, now: float) -> RequestOutput:
+    def _fork(self, advanced: list[Request], sampled: dict[str, Sampled]) -> list[Request]:
+        """Start the sequences waiting on a group's first sequence that just drew its first token
+        (the runner drew theirs from the same logits): they share its prompt blocks, the last
+        partial one copied."""
+        started = []
+        for req in advanced:
+            if not req.forks or req.num_output_tokens != 1:
+                continue
+            for child in req.forks:
+                child.token_ids.append(sampled[child.request_id].token)
+                child.num_cached_tokens = req.num_cached_tokens
+                child.cache_report = req.cache_report  # one report: the prompt counts once
+                child.operator_reason = req.operator_reason
+                pairs = self.scheduler.fork(req, child)
+                if pairs:
+                    self.runner.copy_blocks(pairs)
+                started.append(child)
+            req.forks = []
+        return started
+
+    def _record_sampled(self, req: Request, s: Sampled) -> None:
+        if s.logprob is None:
+            return
+        req.cumulative_logprob += s.logprob
+        if req.params.logprobs is not None:
+            req.logprobs.append(self._position(s))
+
+    def _postprocess(self, req: Request, now: float) -> Request:
         if req.first_token_time is None:
             req.first_token_time = now
             rep = req.cache_report
-            if rep is not None:
+            if rep is not None and req.index == 0:
                 explain(rep, self.tokenizer)
                 self.cache.record_cause(req, (rep.detail or {}).get("likely_cause"))
         req.token_times.append(now)
@@ -229,23 +303,60 @@ class LLMEngine:
             reason = "stop"  # a stop string; the text is cut before it
         if reason is not None:
             self.scheduler.finish(req, reason)
-        return self._output(req)
+        return req
 
     def _output(self, req: Request) -> RequestOutput:
-        detok = self._detokenizers[req.request_id]
-        if req.is_finished:
-            detok.finish()
-        text, new = detok.take()
+        """The output of the request whose first sequence is ``req``: every sequence's progress;
+        finished when all are. Under ``best_of`` the finished output keeps the ``n`` sequences
+        with the highest cumulative log probability, best first."""
+        seqs = self.groups.get(req.group_id, [req])
+        comps = [self._completion(seq) for seq in seqs]
+        finished = all(seq.is_finished for seq in seqs)
+        p = req.params
+        if finished and p.num_sequences > p.n:
+            best = sorted(comps, key=lambda c: -(c.cumulative_logprob or 0.0))[:p.n]
+            comps = [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
+        first = comps[0]
         times = req.token_times
+        last = max((seq.token_times[-1] for seq in seqs if seq.token_times), default=None)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
-            token_ids=req.output_token_ids,
-            text=text, finished=req.is_finished,
-            finish_reason=req.finish_reason, num_cached_tokens=max(0, req.num_cached_tokens),
+            token_ids=first.token_ids, text=first.text, finished=finished,
+            finish_reason=first.finish_reason if finished else None,
+            num_cached_tokens=max(0, req.num_cached_tokens),
             cache_report=req.cache_report, ttft_s=req.ttft_s(),
             token_latencies_s=[b - a for a, b in zip(times, times[1:])],
-            e2e_s=(times[-1] - req.arrival_time) if req.is_finished and times else None,
-            new_text=new, error=req.error)
+            e2e_s=(last - req.arrival_time) if finished and last is not None else None,
+            new_text=first.new_text, error=req.error, completions=comps,
+            prompt_logprobs=self._prompt_logprobs(req) if finished or req.num_output_tokens <= 1
+            else None)
+
+    def _completion(self, seq: Request) -> CompletionOutput:
+        detok = self._detokenizers[seq.request_id]
+        if seq.is_finished:
+            detok.finish()
+        text, new = detok.take()
+        p = seq.params
+        lps = list(seq.logprobs) if p.logprobs is not None else None
+        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
+                                seq.cumulative_logprob if p.needs_logprob else None, lps, new)
+
+    def _position(self, s: Sampled) -> TokenLogprobs:
+        """One position's log probabilities in vLLM's shape: the chosen token, then the top."""
+        dec = self.tokenizer.decode
+        out: TokenLogprobs = {s.token: Logprob(s.logprob, s.rank, dec([s.token], skip_special_tokens=False))}
+        for rank, (tok, lp) in enumerate(s.top or [], 1):
+            if tok not in out:
+                out[tok] = Logprob(lp, rank, dec([tok], skip_special_tokens=False))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[TokenLogprobs | None] | None:
+        """Per prompt token its log probabilities (set on the first and the last outputs only)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        lps = req.prompt_logprobs
+        return [None] + [lps.get(i) for i in range(1, req.num_prompt_tokens)]
 
     # ------------------------------------------------------------------ cache admin
     def cache_stats(self, tenant_salt: str | None | object = ALL_TENANTS) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from hotprefix.cache.manager import CacheRequest
 from hotprefix.sampling import SamplingParams
+from hotprefix.vllm_compat import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -25,7 +26,11 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request(CacheRequest):
-    """One generation request. ``token_ids`` holds the prompt followed by the output so far."""
+    """One generated sequence. ``token_ids`` holds the prompt followed by the output so far.
+
+    A request for ``n`` sequences is a group: its first sequence (index 0, the group's id) is
+    scheduled and computes the prompt; the others wait in its ``forks`` and start, sharing its
+    blocks, when it draws its first token."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
@@ -44,6 +49,25 @@ class Request(CacheRequest):
     """"stop" (EOS, stop token or string), "length" (max_tokens / model length), "abort"."""
     error: str | None = None
     user_data: Any = None
+    index: int = 0
+    """The sequence's position in its group (``n`` / ``best_of``)."""
+    group_id: str = ""
+    """The id of the request this sequence belongs to (the caller's id; its first sequence's)."""
+    forks: list["Request"] = field(default_factory=list)
+    """On a group's first sequence: the other sequences, until they fork from it."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Each generated token's log probabilities, when ``params.logprobs`` asks for them."""
+    cumulative_logprob: float = 0.0
+    """Sum of the generated tokens' log probabilities (when ``params.needs_logprob``)."""
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    """Prompt position -> its token's log probabilities (``params.prompt_logprobs``; from 1)."""
+    logits_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Structured outputs: the hook the sampler applies after bias and penalties
+    (``hotprefix.logits.RowInput.mask``)."""
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def num_tokens(self) -> int:

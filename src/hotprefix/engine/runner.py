@@ -18,6 +18,7 @@ import os
 import torch
 
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
+from hotprefix.engine.request import Request
 from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq, padded_len
 from hotprefix.model.dtype_probe import probed_cpu_dtype
@@ -25,7 +26,8 @@ from hotprefix.model.fused import library
 from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
-from hotprefix.sampling import sample
+from hotprefix.logits import RowInput
+from hotprefix.sampling import Sampled, log_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -122,29 +124,80 @@ class ModelRunner:
                  self.device, str(self.dtype).replace("torch.", ""))
 
     # ------------------------------------------------------------------ one step
-    def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> dict[str, int]:
+    def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]
+            ) -> tuple[dict[str, Sampled], list[tuple[Request, int, Sampled]]]:
         """Forward the scheduled chunks; sample for those that reached their last token.
+
+        A group's first sequence drawing its first token also draws, from the same logits, the
+        first token of each sequence waiting to fork from it (``Request.forks``), each with its
+        own stream.
 
         Args:
             chunks: This step's scheduled chunks.
             block_tables: request id -> the request's block table.
 
-        Returns: request id -> sampled token.
+        Returns:
+            request id -> sampled token (forks included), and the prompt log probabilities
+            computed this step: (request, prompt position, that position's token's log probs).
         """
         if not chunks:
-            return {}
-        logits, owners = self.forward_logits(chunks, block_tables)
+            return {}, []
+        logits, owners, prompt_logits, prompt_rows = self._forward(chunks, block_tables)
+        prompt = [(req, pos, self._prompt_logprob(prompt_logits[i], req, pos))
+                  for i, (req, pos) in enumerate(prompt_rows)]
         if not owners:
-            return {}
-        reqs = [c.request for c in owners]
-        toks = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                      self.model.argmax)
-        return {r.request_id: t for r, t in zip(reqs, toks)}
+            return {}, prompt
+        seqs: list[Request] = []
+        index: list[int] = []
+        for i, c in enumerate(owners):
+            req = c.request
+            forks = req.forks if req.num_output_tokens == 0 else []
+            for seq in [req, *forks]:
+                seqs.append(seq)
+                index.append(i)
+        rows = [RowInput(r.params, r.generator, r.token_ids, r.num_prompt_tokens, r.logits_mask)
+                for r in seqs]
+        picked = logits if len(index) == len(owners) else logits[index]
+        drawn = sample(picked, rows, self.model.argmax)
+        return {r.request_id: t for r, t in zip(seqs, drawn)}, prompt
+
+    @staticmethod
+    def _prompt_logprob(row: torch.Tensor, req: Request, pos: int) -> Sampled:
+        """The log probabilities of prompt token ``pos`` from the logits at ``pos - 1`` (raw: no
+        penalty or temperature applies to a prompt)."""
+        tok = req.token_ids[pos]
+        lp, rank, top = log_probs(row, tok, req.params.prompt_logprobs)
+        return Sampled(tok, lp, rank, top)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks of K/V (every layer), ``src -> dst`` for each pair (a fork's last
+        partial block)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     def forward_logits(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]):
         """Logits of the chunks' last tokens (for tests); same path as ``run``."""
+        logits, owners, _, _ = self._forward(chunks, block_tables)
+        return logits, owners
+
+    def _forward(self, chunks, block_tables):
+        """(logits of the sampled rows, their chunks, logits of the prompt positions whose
+        request wants prompt log probabilities, those (request, position of the predicted token))."""
         run = self._run_tiled if self.deterministic else self._run_batched
         return run(chunks, block_tables)
+
+    @staticmethod
+    def _prompt_positions(c: ScheduledChunk) -> range:
+        """Positions of the chunk whose logits predict a prompt token (prompt log probabilities)."""
+        req = c.request
+        if req.params.prompt_logprobs is None:
+            return range(0)
+        return range(c.start, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
 
     def _run_batched(self, chunks, block_tables):
         bs, dev = self.block_size, self.device
@@ -166,6 +219,12 @@ class ModelRunner:
                 logit_rows.append(r)
                 owners.append(c)
         prefill_seqs: list[PrefillSeq] = []
+        extra_rows: list[int] = []
+        extra: list[tuple[Request, int]] = []
+        for r, c in enumerate(decodes):  # a one-token prompt chunk runs as a decode
+            for p in self._prompt_positions(c):
+                extra_rows.append(r)
+                extra.append((c.request, p + 1))
         for c in prefills:
             start, n = c.start, c.num_tokens
             bt = block_tables[c.request.request_id]
@@ -178,10 +237,15 @@ class ModelRunner:
             if c.wants_logits:
                 logit_rows.append(q0 + n - 1)
                 owners.append(c)
+            for p in self._prompt_positions(c):
+                extra_rows.append(q0 + p - start)
+                extra.append((c.request, p + 1))
         meta = self._batched_metadata(slots, decodes, decode_tables, prefill_seqs)
+        rows = torch.tensor(logit_rows + extra_rows, dtype=torch.long, device=dev)
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                    self.kv_caches, meta, torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return logits, owners
+                                    self.kv_caches, meta, rows)
+        n_sampled = len(logit_rows)
+        return logits[:n_sampled], owners, logits[n_sampled:], extra
 
     def _batched_metadata(self, slots: list[int], decodes: list[ScheduledChunk],
                           decode_tables: list[list[int]], prefills: list[PrefillSeq]) -> AttentionMetadata:
@@ -203,7 +267,9 @@ class ModelRunner:
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""
         bs, dev = self.block_size, self.device
         rows, owners = [], []
+        extra_logits, extra = [], []
         for c in chunks:
+            wanted = self._prompt_positions(c)
             bt = block_tables[c.request.request_id]
             p, end = c.start, c.start + c.num_tokens
             while p < end:
@@ -223,7 +289,12 @@ class ModelRunner:
                 if tile_end == end and c.wants_logits:
                     rows.append(logits[(end - 1) % bs])
                     owners.append(c)
+                for q in range(p, tile_end):
+                    if q in wanted:
+                        extra_logits.append(logits[q % bs])
+                        extra.append((c.request, q + 1))
                 p = tile_end
+        stacked = torch.stack(extra_logits) if extra_logits else torch.empty(0)
         if not rows:
-            return torch.empty(0), []
-        return torch.stack(rows), owners
+            return torch.empty(0), [], stacked, extra
+        return torch.stack(rows), owners, stacked, extra

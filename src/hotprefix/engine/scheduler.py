@@ -27,6 +27,14 @@ from hotprefix.config import SchedulerConfig
 from hotprefix.engine.request import Request, Status
 
 ADMISSION_WINDOW = 64  # waiting requests considered for cache-aware ordering each step
+PROMPT_LOGPROBS_CHUNK = 256
+"""Longest prefill chunk of a request that wants prompt log probabilities: each of its tokens
+needs a row of logits (4 bytes x the vocabulary) in that step."""
+
+
+def chunk_limit(req: Request, budget: int) -> int:
+    """The most tokens ``req`` may compute in one step given the step's remaining budget."""
+    return min(budget, PROMPT_LOGPROBS_CHUNK) if req.params.prompt_logprobs is not None else budget
 
 
 class RequestRejected(ValueError):
@@ -114,7 +122,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, chunk_limit(req, budget))
             if n <= 0:
                 i += 1
                 continue
@@ -176,7 +184,7 @@ class Scheduler:
             if self.manager.inflight_owner(req, len(hits)) is not None:
                 continue  # its next block is being computed right now: reuse it next step
             num_computed = len(hits) * self.block_size
-            n = min(req.num_tokens - num_computed, budget)
+            n = min(req.num_tokens - num_computed, chunk_limit(req, budget))
             if not self.manager.allocate(req, n, num_computed, hits):
                 break  # pool full: keep the order, retry next step
             if req.num_cached_tokens < 0:
@@ -217,6 +225,26 @@ class Scheduler:
                 req.token_ids.append(tok)
                 advanced.append(req)
         return advanced
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Start ``child``, another sequence of ``parent``'s prompt, right after ``parent``
+        computed that prompt: it shares the prompt's blocks (``KVCacheManager.fork``) and runs
+        from the next step, as a decode (``max_num_seqs`` may be passed for a while).
+
+        Returns the block pairs whose contents the caller must copy before the next step, or None
+        when the pool had no block for the copy: the child then waits at the front of the queue,
+        as a preempted request does, and computes what the cache does not hold.
+        """
+        pairs = self.manager.fork(parent, child, parent.num_prompt_tokens)
+        if pairs is None:
+            child.num_computed_tokens = 0
+            child.status = Status.PREEMPTED
+            self.waiting.appendleft(child)
+            return None
+        child.num_computed_tokens = parent.num_prompt_tokens
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return pairs
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
