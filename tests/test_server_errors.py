@@ -107,7 +107,7 @@ BAD_CHATS = [
     ("messages[0].content[0].text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
     ("max_completion_tokens", {"max_completion_tokens": 0}),
     ("temperature", {"temperature": -1}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("tools[0].function.name", {"tools": [{"type": "function", "function": {"name": "not a name"}}]}),
     ("messages", {"messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]}),
 ]
 

@@ -49,6 +49,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 cannot pad a JSON value with whitespace until max_tokens) and the same value is the same text."""
 
 
+KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+              "choice": "choice", "grammar": "grammar"}
+
+
 class GrammarError(ValueError):
     """A structured-output spec is malformed or does not compile; the message names the problem
     (and, for the API, ``param``: the request field it came from)."""
@@ -262,11 +266,11 @@ class GrammarCompiler:
         tok = self._tokenizer()
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tok)
         if is_error:
-            raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: "
+            raise GrammarError(f"the {KIND_NAMES[spec.kind]} does not compile: "
                                f"{(messages or ['unknown error'])[0].strip()}")
         matcher = llg.LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {matcher.get_error()}")
+            raise GrammarError(f"the {KIND_NAMES[spec.kind]} does not compile: {matcher.get_error()}")
         grammar = Grammar(matcher, max(self.vocab_size, len(self._hf)), self._executor)
         with self._lock:
             self._cache[key] = grammar

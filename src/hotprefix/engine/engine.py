@@ -31,6 +31,7 @@ from hotprefix.engine.scheduler import RequestRejected, Scheduler
 from hotprefix.events import open_kv_events
 from hotprefix.model.loader import load_model
 from hotprefix.sampling import Sampled, SamplingError, SamplingParams, make_generator
+from hotprefix.structured import GrammarCompiler, GrammarState
 from hotprefix.tokenizer import Tokenizer
 from hotprefix.vllm_compat import CompletionOutput, Logprob, TokenLogprobs
 
@@ -136,6 +137,10 @@ class LLMEngine:
         """Every sequence of each unfinished request, by the request's id (``n`` / ``best_of``)."""
         self._ids = itertools.count()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id, while unfinished
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.arch.vocab_size,
+                                        self.tokenizer.eos_token_ids)
+        """Structured outputs' compiler and its LRU of compiled grammars (per tenant salt)."""
+        self._grammar_states: dict[str, GrammarState] = {}  # by request id, constrained ones
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         log.info("model %s (fingerprint %s), tokenizer fingerprint %s, namespace %s, "
                  "max_model_len %d, prefix caching %s, loaded in %.1fs",
@@ -169,6 +174,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"duplicate request id {rid}", "duplicate_request_id")
+        grammar = None  # GrammarError (a ValueError) when the spec does not compile
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs, cache_salt)
         seqs = [Request(request_id=rid if i == 0 else f"{rid}#{i}", token_ids=list(token_ids),
                         num_prompt_tokens=len(token_ids), salt=cache_salt,
                         salt_from_block=salt_from_block, cache_write=cache_write,
@@ -179,6 +187,9 @@ class LLMEngine:
                 for i in range(params.num_sequences)]
         req = seqs[0]
         req.forks = seqs[1:]
+        if grammar is not None:
+            for seq in seqs:
+                self._attach_grammar(seq, grammar)
         for seq in seqs:
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
@@ -190,6 +201,13 @@ class LLMEngine:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop_list)
         return req
 
+    def _attach_grammar(self, seq: Request, grammar: Any) -> None:
+        """Constrain one sequence by its own matcher of ``grammar``: the sampler masks its logits
+        (``Request.logits_mask``), ``_postprocess`` advances the matcher by each drawn token."""
+        state = grammar.new_state()
+        self._grammar_states[seq.request_id] = state
+        seq.logits_mask = state.mask_logits
+
     def abort(self, request_id: str) -> bool:
         """End a request, every sequence of it, and release their blocks; False if unknown."""
         req = self.requests.pop(request_id, None)
@@ -197,6 +215,7 @@ class LLMEngine:
             return False
         for seq in self.groups.pop(request_id, [req]):
             self._detokenizers.pop(seq.request_id, None)
+            self._grammar_states.pop(seq.request_id, None)
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         req.forks = []
@@ -246,6 +265,7 @@ class LLMEngine:
                 self.requests.pop(o.request_id, None)
                 for seq in self.groups.pop(o.request_id, []):
                     self._detokenizers.pop(seq.request_id, None)
+                    self._grammar_states.pop(seq.request_id, None)
         self.cache.ledger.flush()
         for cb in self.on_step:
             cb({"num_tokens": sched.num_tokens, "outputs": outputs})
@@ -289,16 +309,29 @@ class LLMEngine:
         tok = req.token_ids[-1]
         p = req.params
         reason = None
+        grammar = self._grammar_states.get(req.request_id)
+        grammar_done = by_grammar = False
+        if grammar is not None:
+            try:
+                grammar.accept(tok)  # and the next token's mask starts computing
+                grammar_done = grammar.is_stopped
+            except RuntimeError as e:  # the matcher refused a token it had allowed: a bug
+                req.error = str(e)
+                self.scheduler.finish(req, "error")
+                return req
         if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
             reason = "stop"
         elif p.stop_token_ids and tok in p.stop_token_ids:
             reason = "stop"
+        elif grammar_done:  # the grammar is complete: nothing may follow; the token is text
+            reason, by_grammar = "stop", True
         elif req.num_output_tokens >= p.max_tokens:
             reason = "length"
         elif req.num_tokens >= self.max_model_len:
             reason = "length"
         detok = self._detokenizers[req.request_id]
-        end = req.num_tokens - 1 if reason == "stop" else req.num_tokens  # a stop token is not text
+        stop_token = reason == "stop" and not by_grammar  # a stop token is not text
+        end = req.num_tokens - 1 if stop_token else req.num_tokens
         if detok.add(req.token_ids[req.num_prompt_tokens + detok.num_tokens:end]):
             reason = "stop"  # a stop string; the text is cut before it
         if reason is not None:
@@ -384,6 +417,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the KV tiers' and KV events' threads (queued writes and events are flushed first)."""
+        self.grammars.close()
         if self.kv_events is not None:
             self.kv_events.close()
         link = self.cache.tiers

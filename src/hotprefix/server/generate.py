@@ -22,7 +22,9 @@ from hotprefix.cache.report import CacheReport
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.server import constraints as C
 from hotprefix.server import protocol as P
+from hotprefix.server import tools as T
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
 from hotprefix.server.state import ServerState
@@ -115,13 +117,21 @@ def check_fits(state: ServerState, texts: list[str], param: str) -> None:
                          code="context_length_exceeded")
 
 
-async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: str = "messages") -> list[int]:
+async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: str = "messages",
+                      functions: list[T.Function] | None = None) -> list[int]:
+    """The conversation's token ids, with ``functions`` (the request's tools) rendered by the
+    template when it can, else as the system turn's tool block (``server/tools.py``)."""
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
     dicts = P.message_dicts(messages)
-    check_fits(state, [str(m.get("content") or "") for m in dicts], param)
+    tools = None
+    if functions or any(d.get("tool_calls") or d["role"] == "tool" for d in dicts):
+        native = state.tokenizer.renders_tools
+        dicts = T.render_messages(dicts, functions or [], native)
+        tools = [f.raw for f in functions] if native and functions else None
+    check_fits(state, [str(m.get("content") or "") for m in dicts] + [json.dumps(tools or "")], param)
     try:
-        ids = await state.encode(state.tokenizer.encode_chat, dicts)
+        ids = await state.encode(state.tokenizer.encode_chat, dicts, True, tools)
     except TokenizerError as e:
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
@@ -171,9 +181,12 @@ def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -
 
 async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest,
                   request: Request, tenant: Tenant, ids: list[int], max_tokens: int | None,
-                  chat: bool) -> Response:
+                  chat: bool, constraint: C.Constraint) -> Response:
     route, field = ("chat", "messages") if chat else ("completions", "prompt")
     params = sampling(body, max_tokens)
+    if constraint.spec is not None:  # compiled now: a schema error is this request's 400
+        await C.compile_for(state.engine, constraint, tenant.salt)
+        params.structured_outputs = constraint.spec
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field,
@@ -181,18 +194,20 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)
         return stream_response(stream, chat, rid, created, state.served_name, inc,
-                               lambda out: finish(state, out, route, tenant))
+                               lambda out: finish(state, out, route, tenant), constraint)
     out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
     rep = finish(state, out, route, tenant)
+    reason = out.finish_reason
     if chat:
-        obj, choice = "chat.completion", {"message": {"role": "assistant", "content": out.text}}
+        message, reason = C.answer(constraint, out.text, reason)
+        obj, choice = "chat.completion", {"message": message}
     else:
         obj, choice = "text_completion", {"text": out.text}
     return JSONResponse({
         "id": rid, "object": obj, "created": created, "model": state.served_name,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}],
         "usage": P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens),
         "hotprefix": {"cache": rep}}, headers={"x-hotprefix-cache": cache_header(rep)})
 
@@ -205,32 +220,36 @@ async def final_output(stream: RequestStream, request: Request) -> RequestOutput
     return out
 
 
-def check_request(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+def check_request(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest) -> C.Constraint:
+    """The model and the parameters checked; the request's output constraint."""
     check_model(state, body.model)
     bad = P.unsupported(body)
     if bad:
         raise P.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    return C.from_request(body)
 
 
 @router.post("/v1/completions")
 async def completions(body: P.CompletionRequest, request: Request,
                       tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
-    check_request(state, body)
+    constraint = check_request(state, body)
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise P.APIError(400, "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
     ids = await text_prompt(state, prompt, "prompt")
-    return await respond(state, body, request, tenant, ids, body.max_tokens, chat=False)
+    return await respond(state, body, request, tenant, ids, body.max_tokens, chat=False,
+                         constraint=constraint)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: P.ChatCompletionRequest, request: Request,
                            tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
-    check_request(state, body)
-    ids = await chat_prompt(state, body.messages)
+    constraint = check_request(state, body)
+    ids = await chat_prompt(state, body.messages, functions=constraint.offered)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # chat: until the model stops or the context is full
         max_tokens = max(1, state.max_model_len - len(ids))
-    return await respond(state, body, request, tenant, ids, max_tokens, chat=True)
+    return await respond(state, body, request, tenant, ids, max_tokens, chat=True,
+                         constraint=constraint)

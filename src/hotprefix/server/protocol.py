@@ -3,7 +3,7 @@
 Requests are strict (no string-to-number coercion, no NaN/inf) and refuse unknown top-level fields,
 as the OpenAI API does. A few extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``
 and the ``hotprefix`` object (per-request cache retention). Parameters that exist in the OpenAI
-API but that this server does not implement (``n > 1``, ``logprobs``, ``echo``, tools...) are
+API but that this server does not implement (``n > 1``, ``logprobs``, ``echo``...) are
 accepted only at their neutral value and otherwise refused with a clear message.
 
 Knows nothing about the engine or HTTP routing.
@@ -127,6 +127,18 @@ class _SamplingFields(_Strict):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     """``24h`` pins the prompt's blocks for a day (within the server's maximum TTL and the pool's
     pin share); ``in_memory`` (the default) is ordinary retention."""
+    response_format: dict[str, Any] | None = None
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}``
+    (``server/constraints.py``)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``."""
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM's older names for the same constraints."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """vLLM's choice of library: accepted and ignored (llguidance serves every constraint)."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -144,10 +156,26 @@ class TextPart(_Lenient):
     text: str
 
 
+class ToolCallFunction(_Lenient):
+    name: str = Field(..., max_length=64)
+    arguments: str = ""
+    """The arguments as JSON text (OpenAI's shape)."""
+
+
+class ToolCall(_Lenient):
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls, sent back with the conversation."""
+    tool_call_id: str | None = Field(None, max_length=256)
+    """A ``tool`` turn's answer to that call."""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -159,7 +187,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -183,11 +210,7 @@ def unsupported(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, st
         checks += [("logprobs", req.logprobs is not None), ("echo", bool(req.echo)),
                    ("best_of", req.best_of not in (None, 1)), ("suffix", bool(req.suffix))]
     else:
-        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs)),
-                   ("tools", bool(req.tools)),
-                   ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-                   ("response_format", bool(req.response_format)
-                    and req.response_format.get("type") != "text")]
+        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs))]
     for param, bad in checks:
         if bad:
             return param, f"{param} is not supported by this server (use its default)"
@@ -205,6 +228,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 

@@ -48,10 +48,37 @@ async def collect(stream: RequestStream, request: Request) -> RequestOutput | No
 
 
 def stream_response(stream: RequestStream, chat: bool, rid: str, created: int, model: str,
-                    include_usage: bool,
-                    finish: Callable[[RequestOutput], dict[str, Any]]) -> StreamingResponse:
-    """Server-sent events for one request; ``finish(out)`` records it and returns its cache report."""
+                    include_usage: bool, finish: Callable[[RequestOutput], dict[str, Any]],
+                    constraint: Any = None) -> StreamingResponse:
+    """Server-sent events for one request; ``finish(out)`` records it and returns its cache report.
+    With tools (``constraint.tool_mode`` not ``none``), tool calls stream in OpenAI's delta shape
+    (``server/tools.py``'s ``CallStream``: text that may open a call is held back until it is known)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    calls = None
+    if chat and constraint is not None and constraint.tool_mode != "none" and constraint.functions:
+        from hotprefix.server.tools import CallStream
+
+        calls = CallStream(constraint.functions, constraint.parallel)
+    num_calls = [0]
+
+    def deltas(text: str, last: bool) -> list[dict[str, Any]]:
+        """The chunks for new text: content, and each tool call as its first delta (id, name)
+        and its arguments."""
+        if calls is None:
+            return [chunk(text, None)] if text else []
+        out = []
+        for kind, v in calls.feed(text) + (calls.end() if last else []):
+            if kind == "content":
+                out.append(chunk(v, None))
+                continue
+            i, num_calls[0] = num_calls[0], num_calls[0] + 1
+            for d in ({"index": i, "id": v["id"], "type": "function",
+                       "function": {"name": v["function"]["name"], "arguments": ""}},
+                      {"index": i, "function": {"arguments": v["function"]["arguments"]}}):
+                c = chunk(None, None)
+                c["choices"][0]["delta"] = {"tool_calls": [d]}
+                out.append(c)
+        return out
 
     def chunk(delta_text: str | None, finish_reason: str | None, **extra: Any) -> dict[str, Any]:
         if chat:
@@ -76,12 +103,15 @@ def stream_response(stream: RequestStream, chat: bool, rid: str, created: int, m
                 if out.finish_reason == "error":
                     yield sse(engine_error(out).body())
                     break
-                if out.new_text:
-                    yield sse(chunk(out.new_text, None))
+                for c in deltas(out.new_text, out.finished):
+                    yield sse(c)
                 if not out.finished:
                     continue
                 hp = {"hotprefix": {"cache": finish(out)}}
-                yield sse(chunk(None if chat else "", out.finish_reason, **hp))
+                reason = out.finish_reason
+                if calls is not None and calls.num_calls and reason == "stop":
+                    reason = "tool_calls"
+                yield sse(chunk(None if chat else "", reason, **hp))
                 if include_usage:
                     u = P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
                     yield sse({"id": rid, "object": obj, "created": created, "model": model,
