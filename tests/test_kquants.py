@@ -12,7 +12,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from hotprefix.model.fused import library
-from hotprefix.model.gguf_blocks import (BLOCK_BYTES, QF_K4, QF_K5, QF_K6, QF_Q8, PackError,
+from hotprefix.model.gguf_blocks import (BLOCK_BYTES, QF_K4, QF_K5, QF_K6, QF_Q5, QF_Q8, PackError,
                                          group_bytes)
 from hotprefix.model.isa import runnable_levels
 from hotprefix.model.qlinear import BlockRows, QuantLinear, QuantWeight
@@ -57,12 +57,12 @@ def test_repacked_blocks_hold_ggufs_own_weights(kind):
     stay near the file's."""
     _, raw, deq = make(kind, 40, 512, seed=len(kind))
     w = QuantWeight([(kind, raw)], 512)
-    fmt = {"Q5_0": QF_Q8, "Q4_K": QF_K4, "Q5_K": QF_K5, "Q6_K": QF_K6}[kind]
+    fmt = {"Q5_0": QF_Q5, "Q4_K": QF_K4, "Q5_K": QF_K5, "Q6_K": QF_K6}[kind]
     assert w.formats == (fmt,) * 3
     assert w.nbytes == 3 * (8 + group_bytes(fmt, 16)) == 3 * (8 + LIB.qg_group_bytes(fmt, 16))
     per_weight = (w.nbytes / 3) / (16 * 512)
     file_per_weight = raw.nbytes / (40 * 512)
-    assert per_weight <= {"Q5_0": 1.64, "Q4_K": 1.04, "Q5_K": 1.89, "Q6_K": 1.32}[kind] * file_per_weight
+    assert per_weight <= {"Q5_0": 1.01, "Q4_K": 1.04, "Q5_K": 1.89, "Q6_K": 1.32}[kind] * file_per_weight
     assert same_bits(w.dequantize(), deq)
     ids = torch.tensor([[39, 0, 17], [16, 31, 5]])
     assert same_bits(BlockRows(LIB, w)[ids], deq[ids])
@@ -72,7 +72,7 @@ def test_a_stack_keeps_each_groups_format_and_refuses_a_shared_k_group():
     parts = [make("Q4_K", 32, 256, 1), make("Q6_K", 16, 256, 2), make("Q5_0", 16, 256, 3),
              make("Q5_K", 16, 256, 4)]
     w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 256)
-    assert w.formats == (QF_K4, QF_K4, QF_K6, QF_Q8, QF_K5)
+    assert w.formats == (QF_K4, QF_K4, QF_K6, QF_Q5, QF_K5)
     assert same_bits(w.dequantize(), torch.cat([deq for _, _, deq in parts]))
     with pytest.raises(PackError, match="share a group"):
         QuantWeight([(k, r[:24]) for k, r, _ in parts[:2]], 256)  # rows 16-31: Q4_K and Q6_K
@@ -104,6 +104,11 @@ def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
     ref = x.double() @ deq.double().T
     err = ((full.double() - ref).abs() / (x.double().abs() @ deq.double().abs().T).clamp(min=1e-30)).max()
     assert err < 2e-4, err.item()
+    # Q5_0 rows in a group shared with Q8_0 ones are packed 8-bit: the same integer sums and float
+    # steps, so the same bits as in their own 5-bit groups
+    shared = QuantWeight([parts[3][:2], ("Q8_0", quantize(np.ones((11, 512), np.float32), T.Q8_0).reshape(11, -1))], 512)
+    assert shared.formats == (QF_Q5, QF_Q8)
+    assert same_bits(lin(x, shared, None)[:, :21], full[:, -21:])
 
 
 def _write_gguf(path, kinds: dict[str, str], seed: int = 0) -> dict[str, np.ndarray]:

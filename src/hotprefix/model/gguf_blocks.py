@@ -5,17 +5,18 @@ exactly as ``gguf.quants.dequantize`` does (``w = D * q + M``), then packed in g
 outputs for the kernel. No value is re-quantized or rounded:
 
 - Q4_0, Q4_1: 4-bit ``q`` with fp16 ``D`` and ``M`` per 32 inputs (Q4_0: ``M = -8 D``, exact);
-- Q8_0 and Q5_0 (``q - 16``): int8 ``q`` with fp16 ``D`` (``M = 0``);
+- Q8_0: int8 ``q`` with fp16 ``D`` (``M = 0``);
+- Q5_0: ``q - 16`` as 4-bit low nibbles and a plane of fifth bits, with fp16 ``D`` (``M = 0``);
 - Q4_K: 4-bit ``q``; per 32 inputs the 6-bit ``sc`` and ``mn`` of the file, per 256 its fp16 ``d``
   and ``dmin``, so ``D = d * sc`` and ``M = -dmin * mn`` are the file's own fp32 products;
 - Q5_K: the same with int8 ``q`` (0..31);
 - Q6_K: int8 ``q - 32``, one int8 scale per 16 inputs (two per 32-block) and an fp16 ``d``.
 
 The bytes held are near the file's: 0.58 a weight for Q4_K (the file: 0.5625), 1.08 for Q5_K and
-Q6_K (0.69 and 0.82), 1.125 for Q5_0 and Q8_0 (0.69 and 1.06), 0.625 for Q4_0 / Q4_1. A stack of
-tensors (Q/K/V, gate/up) keeps each group's own format; a group that holds rows of two types is
-packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the model then
-multiplies that stack in fp32).
+Q6_K (0.69 and 0.82), 0.6875 for Q5_0 (the file's), 1.125 for Q8_0 (1.06), 0.625 for Q4_0 / Q4_1.
+A stack of tensors (Q/K/V, gate/up) keeps each group's own format; a group that holds rows of two
+types is packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the
+model then multiplies that stack in fp32).
 
 This module knows nothing about the kernels' calls: only bytes.
 """
@@ -30,9 +31,9 @@ LANES = 16
 """Outputs per packed group: one AVX-512 lane each."""
 SUPER = 256
 """Inputs per k-quant super-block (8 kernel blocks)."""
-QF_Q4, QF_Q8, QF_K4, QF_K5, QF_K6 = range(5)
+QF_Q4, QF_Q8, QF_K4, QF_K5, QF_K6, QF_Q5 = range(6)
 """The kernel's group formats (``qgemm.c``'s ``QF_*``)."""
-FORMAT = {"Q4_0": QF_Q4, "Q4_1": QF_Q4, "Q8_0": QF_Q8, "Q5_0": QF_Q8,
+FORMAT = {"Q4_0": QF_Q4, "Q4_1": QF_Q4, "Q8_0": QF_Q8, "Q5_0": QF_Q5,
           "Q4_K": QF_K4, "Q5_K": QF_K5, "Q6_K": QF_K6}
 """GGUF block type -> the format its groups are packed in."""
 GGUF_TYPES = tuple(FORMAT)
@@ -112,10 +113,16 @@ def decode(kind: str, raw: np.ndarray, k: int) -> tuple:
     raise PackError(f"GGUF block type {kind} has no packed layout")
 
 
+LOCAL = (QF_Q4, QF_Q8, QF_Q5)
+"""Formats whose blocks carry their own fp16 scales (the others: per 256-input super-block)."""
+
+
 def group_bytes(fmt: int, nb: int) -> int:
     """Bytes of one group of 16 outputs over ``nb`` blocks (``qgemm.c``'s ``qg_group_bytes``)."""
+    if fmt == QF_Q5:
+        return nb * (256 + 64 + 32)
     qbytes = 256 if fmt in (QF_Q4, QF_K4) else 512
-    return nb * (qbytes + 64) if fmt <= QF_Q8 else nb // 8 * (8 * (qbytes + 32) + 64)
+    return nb * (qbytes + 64) if fmt in LOCAL else nb // 8 * (8 * (qbytes + 32) + 64)
 
 
 def _pad(a: np.ndarray, groups: int) -> np.ndarray:
@@ -142,11 +149,27 @@ def _values(q: np.ndarray, bits: int, groups: int) -> np.ndarray:
     return t.reshape(groups, nb, 512).view(np.uint8)
 
 
+def _fifth_bits(u: np.ndarray, groups: int) -> np.ndarray:
+    """Bit 4 of u [n, nb, 32] -> the plane [groups, nb, 64]: byte 2 lane + e of plane j / 4 holds
+    input 2 j + e's in bit 2 (j % 4) and input 2 j + 16 + e's in bit 2 (j % 4) + 1."""
+    t = (_pad(u, groups) >> 4).astype(np.uint8)
+    nb = t.shape[1]
+    t = t.reshape(groups, LANES, nb, 2, 2, 4, 2)  # [g, lane, nb, hi, plane, j % 4, e]
+    shift = (2 * np.arange(4, dtype=np.uint8)[:, None] + np.arange(2, dtype=np.uint8)[None, :])  # [j%4, hi]
+    planes = (t << shift.T[None, None, None, :, None, :, None]).sum(axis=(3, 5), dtype=np.uint8)
+    return planes.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 64)  # [g, nb, plane, lane, e]
+
+
 def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
     """One format's fields for ``groups`` groups -> bytes [groups, group_bytes]."""
+    if fmt == QF_Q5:
+        u = fields[0].astype(np.int16) + 16  # 0..31
+        out = np.concatenate([_values(u & 0x0F, 4, groups), _fifth_bits(u, groups),
+                              _lanes(fields[1].astype(np.float16), groups)], axis=-1)
+        return out.reshape(groups, -1)
     bits = 4 if fmt in (QF_Q4, QF_K4) else 8
     vals = _values(fields[0], bits, groups)
-    if fmt <= QF_Q8:
+    if fmt in LOCAL:
         _, d, m = fields
         out = np.concatenate([vals, _lanes(d.astype(np.float16), groups),
                               _lanes(m.astype(np.float16), groups)], axis=-1)
@@ -171,10 +194,10 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int) -> tuple[np.ndarray
     for g in range(groups):  # the formats of the parts with rows in group g
         lo, hi = g * LANES, min(n, (g + 1) * LANES)
         here = {FORMAT[kinds[i]] for i in range(len(parts)) if starts[i] < hi and starts[i + 1] > lo}
-        if len(here) > 1 and not here <= {QF_Q4, QF_Q8}:
+        if len(here) > 1 and not here <= set(LOCAL):
             raise PackError(f"rows of {' and '.join(sorted(set(kinds)))} share a group of "
                             f"{LANES} outputs")
-        fmts.append(max(here))  # Q4_0 / Q4_1 rows beside 8-bit ones: packed 8-bit
+        fmts.append(here.pop() if len(here) == 1 else QF_Q8)  # Q4_0 / Q4_1 / Q5_0 / Q8_0 rows: 8-bit
     decoded = [decode(kind, raw, k) for kind, raw in parts]
     runs, g0 = [], 0
     for g in range(1, groups + 1):  # consecutive groups of one format
@@ -204,8 +227,12 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
     for g in range(groups):
         fmt, off = int(head[g] & 15), int(head[g] >> 4)
         raw = buf[off:off + group_bytes(fmt, nb)]
-        bits, qbytes = (4, 256) if fmt in (QF_Q4, QF_K4) else (8, 512)
-        if fmt <= QF_Q8:
+        bits, qbytes = (4, 256) if fmt in (QF_Q4, QF_K4, QF_Q5) else (8, 512)
+        if fmt == QF_Q5:
+            blk = raw.reshape(nb, 352)
+            dlo = dhi = blk[:, 320:].copy().view(np.float16).astype(np.float32)  # [nb, lane]
+            m = np.zeros_like(dlo)
+        elif fmt in LOCAL:
             blk = raw.reshape(nb, qbytes + 64)
             d = blk[:, qbytes:qbytes + 32].copy().view(np.float16).astype(np.float32)  # [nb, lane]
             m = blk[:, qbytes + 32:].copy().view(np.float16).astype(np.float32)
@@ -225,11 +252,16 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
         else:
             q = v.view(np.int8).reshape(nb, 16, LANES, 2).transpose(2, 0, 1, 3)
         q = q.reshape(LANES, nb, BLOCK).astype(np.float32)
+        if fmt == QF_Q5:  # the fifth bits: plane j // 4, bit 2 (j % 4) + hi, byte 2 lane + e
+            p = blk[:, 256:320].reshape(nb, 2, LANES, 2)  # [nb, plane, lane, e]
+            sh = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)  # [hi, j % 4]
+            h = (p[:, None, :, None, :, :] >> sh[None, :, None, :, None, None]) & 1  # [nb, hi, pl, j%4, lane, e]
+            q = q + 16 * h.transpose(4, 0, 1, 2, 3, 5).reshape(LANES, nb, BLOCK).astype(np.float32) - 16
         scale = np.concatenate([np.repeat(dlo.T[..., None], 16, -1),
                                 np.repeat(dhi.T[..., None], 16, -1)], -1)  # [lane, nb, 32]
         w = scale * q
         mm = np.broadcast_to(m.T[..., None], w.shape)
-        add = mm != 0 if fmt <= QF_Q8 else np.full(w.shape, fmt != QF_K6)  # as qg_dequant_rows
+        add = mm != 0 if fmt in LOCAL else np.full(w.shape, fmt != QF_K6)  # as qg_dequant_rows
         w = np.where(add, w + mm, w)
         out[g * LANES:(g + 1) * LANES] = w.reshape(LANES, k)
     return out[:n]

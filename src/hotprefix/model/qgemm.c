@@ -15,8 +15,11 @@
  * with one int64 per group, (byte offset of the group << 4) | its format; a group's format:
  *   QF_Q4  Q4_0 / Q4_1: 4-bit q; per block 256 bytes of values, then 16 fp16 D and 16 fp16 M
  *          (Q4_0: M = -8 D);
- *   QF_Q8  Q8_0 / Q5_0 (q - 16) / a group mixing these with Q4_0 / Q4_1: int8 q, 512 bytes of
- *          values, 16 fp16 D and 16 fp16 M;
+ *   QF_Q8  Q8_0 / a group mixing Q4_0, Q4_1, Q5_0 and Q8_0 rows: int8 q, 512 bytes of values,
+ *          16 fp16 D and 16 fp16 M;
+ *   QF_Q5  Q5_0: q - 16 as the 4-bit layout's 256 bytes of low nibbles, 64 bytes of fifth bits
+ *          (byte p of 32-byte plane j / 4 holds chunk j's byte p's in bits 2 (j % 4) and
+ *          2 (j % 4) + 1, its low and high nibble's), then 16 fp16 D (M = 0);
  *   QF_K4  Q4_K: per super-block of 8 blocks (256 inputs), 8 times [256 bytes of 4-bit q, 16 int8
  *          sc, 16 int8 mn], then 16 fp16 d and 16 fp16 -dmin: D = d * sc, M = -dmin * mn
  *          (exact in fp32: the file's own values);
@@ -189,22 +192,25 @@ void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *s
 }
 
 /* ------------------------------------------------------------------ the weight layout */
-enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_FORMATS };
+enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_Q5 = 5, QF_FORMATS };
 
-static inline int fmt_bits(int f) { return f == QF_Q4 || f == QF_K4 ? 4 : 8; }
-static inline int64_t fmt_qbytes(int f) { return fmt_bits(f) == 4 ? 256 : 512; }
+static inline int fmt_bits(int f) { return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 ? 5 : 8; }
+static inline int64_t fmt_qbytes(int f) { return f == QF_Q5 ? 320 : fmt_bits(f) == 4 ? 256 : 512; }
+/* scales of each block in the block itself (fp16 D and M; Q5_0: D only), not per super-block */
+static inline int fmt_local(int f) { return f == QF_Q4 || f == QF_Q8 || f == QF_Q5; }
+static inline int64_t fmt_scales(int f) { return f == QF_Q5 ? 32 : 64; }
 /* bytes of one super-block of 8 blocks (K formats) */
 static inline int64_t fmt_super(int f) { return 8 * (fmt_qbytes(f) + 32) + 64; }
 
 /* Bytes of one group of 16 outputs over nb blocks (qlinear checks its layout against this). */
 int64_t qg_group_bytes(int f, int64_t nb) {
     if (f < 0 || f >= QF_FORMATS) return -1;
-    return f <= QF_Q8 ? nb * (fmt_qbytes(f) + 64) : nb / 8 * fmt_super(f);
+    return fmt_local(f) ? nb * (fmt_qbytes(f) + fmt_scales(f)) : nb / 8 * fmt_super(f);
 }
 
 /* Block b of a group: its values, then its scale bytes (fp16 D and M, or int8 sc and mn). */
 static inline const uint8_t *block_at(const uint8_t *wg, int f, int64_t b) {
-    if (f <= QF_Q8) return wg + b * (fmt_qbytes(f) + 64);
+    if (fmt_local(f)) return wg + b * (fmt_qbytes(f) + fmt_scales(f));
     return wg + (b / 8) * fmt_super(f) + (b % 8) * (fmt_qbytes(f) + 32);
 }
 
@@ -224,11 +230,12 @@ static inline const uint8_t *group_at(const uint8_t *w, int64_t g, int *f) {
 /* Input i of lane l in a block's values. */
 static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
     const int pair = i / 2, e = i % 2;
-    if (bits == 4) {
-        const uint8_t byte = blk[32 * (pair % 8) + 2 * l + e];
-        return pair / 8 ? byte >> 4 : byte & 0x0f;
-    }
-    return (int8_t)blk[32 * pair + 2 * l + e];
+    if (bits == 8) return (int8_t)blk[32 * pair + 2 * l + e];
+    const int j = pair % 8, hi = pair / 8;
+    const uint8_t byte = blk[32 * j + 2 * l + e];
+    const int q = hi ? byte >> 4 : byte & 0x0f;
+    if (bits == 4) return q;
+    return q + 16 * ((blk[256 + 32 * (j / 4) + 2 * l + e] >> (2 * (j % 4) + hi)) & 1) - 16;
 }
 
 /* Lane l's scales of block b: w = D * q + M, D = dlo for inputs 0-15 and dhi for 16-31 (equal but
@@ -236,10 +243,10 @@ static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
 static inline void lane_scales(const uint8_t *wg, const uint8_t *blk, int f, int64_t b, int l,
                                float *dlo, float *dhi, float *m) {
     const int64_t qb = fmt_qbytes(f);
-    if (f <= QF_Q8) {
+    if (fmt_local(f)) {
         const uint16_t *h = (const uint16_t *)(blk + qb);
         *dlo = *dhi = half_to_float(h[l]);
-        *m = half_to_float(h[QG_LANES + l]);
+        *m = f == QF_Q5 ? 0.0f : half_to_float(h[QG_LANES + l]);
         return;
     }
     const uint16_t *sup = (const uint16_t *)super_at(wg, f, b);
@@ -289,7 +296,7 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
     const int bits = fmt_bits(f);
     const int64_t qbytes = fmt_qbytes(f);
-    const int64_t ahead = QG_PREFETCH * (f <= QF_Q8 ? qbytes + 64 : qbytes + 40);
+    const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
     const __m512i low4 = _mm512_set1_epi16(0x0f);
     /* one row alone waits on its accumulators' latency: give it four chains; many rows have
      * enough chains between them (and registers for no more) */
@@ -300,17 +307,23 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
         const uint8_t *blk = block_at(wg, f, b);
         if (fetch) /* a group's first tile: its weights stream from memory, fetch them ahead (a
                     * prefetch past the last block is a hint, never a fault) */
-            for (int64_t off = 0; off < qbytes + 64; off += 64)
+            for (int64_t off = 0; off < qbytes + fmt_scales(f); off += 64)
                 _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
         /* several independent integer chains per row (a VNNI op waits for the previous one on
          * its accumulator); integer sums are exact, so how they are split changes no bits */
         __m512i s[QG_ROWS][QG_CHAINS], lo[QG_ROWS];
         for (int r = 0; r < nr; r++)
             for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
-        if (bits == 4) {
+        if (bits != 8) {
             for (int j = 0; j < 8; j++) {
                 __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
                 __m512i wl = _mm512_and_si512(w, low4), wh = _mm512_srli_epi16(w, 4);
+                if (bits == 5) { /* Q5_0: q - 16, 16 subtracted where the fifth bit is clear */
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 4))));
+                    const __m512i s16 = _mm512_set1_epi16(16);
+                    wl = _mm512_mask_sub_epi16(wl, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(1 << (2 * (j % 4)))), wl, s16);
+                    wh = _mm512_mask_sub_epi16(wh, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(2 << (2 * (j % 4)))), wh, s16);
+                }
                 const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
                 for (int r = 0; r < nr; r++) {
                     const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
@@ -344,9 +357,10 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             for (int c = 1; c < chains; c++) t[r] = _mm512_add_epi32(t[r], s[r][c]);
         }
         __m512 d, m;
-        if (f <= QF_Q8) {
+        if (fmt_local(f)) {
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
+            m = f == QF_Q5 ? _mm512_setzero_ps()
+                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
         } else {
             const uint8_t *sup = super_at(wg, f, b);
             const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
@@ -380,6 +394,7 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     case QF_Q8: QG_ROWS_OF(QF_Q8)
     case QF_K4: QG_ROWS_OF(QF_K4)
     case QF_K5: QG_ROWS_OF(QF_K5)
+    case QF_Q5: QG_ROWS_OF(QF_Q5)
     default: QG_ROWS_OF(QF_K6)
     }
 }
@@ -407,7 +422,7 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
     const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
     const int bits = fmt_bits(f);
     const int64_t qbytes = fmt_qbytes(f);
-    const int64_t ahead = QG_PREFETCH * (f <= QF_Q8 ? qbytes + 64 : qbytes + 40);
+    const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
     const __m256i low4 = _mm256_set1_epi16(0x0f);
     __m256 acc[QG_ROWS_AVX2][2], lo[QG_ROWS_AVX2][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -415,16 +430,30 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
         const uint8_t *blk = block_at(wg, f, b);
         const int16_t *ab = qa + b * QG_BLOCK;
         if (fetch)
-            for (int64_t off = 0; off < qbytes + 64; off += 64)
+            for (int64_t off = 0; off < qbytes + fmt_scales(f); off += 64)
                 _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
         __m256i s0[QG_ROWS_AVX2], s1[QG_ROWS_AVX2];
         for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
-        if (bits == 4) {
+        if (bits != 8) {
             for (int j = 0; j < 8; j++) {
                 const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
                 const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
-                const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
-                const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
+                __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
+                __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
+                if (bits == 5) { /* Q5_0: q - 16, -16 added where the fifth bit is clear */
+                    const uint8_t *pl = blk + 256 + 32 * (j / 4);
+                    const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
+                    const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
+                    const __m256i ml = _mm256_set1_epi16((short)(1 << (2 * (j % 4))));
+                    const __m256i mh = _mm256_set1_epi16((short)(2 << (2 * (j % 4))));
+                    const __m256i z = _mm256_setzero_si256(), n16 = _mm256_set1_epi16(-16);
+#define QG_Q5(v, h, msk) v = _mm256_add_epi16(v, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, msk), z), n16))
+                    QG_Q5(lo0, h0, ml);
+                    QG_Q5(hi0, h0, mh);
+                    QG_Q5(lo1, h1, ml);
+                    QG_Q5(hi1, h1, mh);
+#undef QG_Q5
+                }
                 for (int r = 0; r < nr; r++) {
                     int32_t p0, p1;
                     memcpy(&p0, ab + r * k + 2 * j, 4);
@@ -454,11 +483,15 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
             }
         }
         __m256 d0, d1, m0, m1;
-        if (f <= QF_Q8) {
+        if (fmt_local(f)) {
             d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
             d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
+            if (f == QF_Q5) {
+                m0 = m1 = _mm256_setzero_ps();
+            } else {
+                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
+                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
+            }
         } else {
             const uint8_t *sup = super_at(wg, f, b), *sc = blk + qbytes;
             const __m256 dd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
@@ -522,6 +555,7 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
         case QF_Q8: QG_CASE(QF_Q8)
         case QF_K4: QG_CASE(QF_K4)
         case QF_K5: QG_CASE(QF_K5)
+        case QF_Q5: QG_CASE(QF_Q5)
         default: QG_CASE(QF_K6)
         }
         fetch = 0; /* the first pass brought the group's weights in */
