@@ -187,12 +187,12 @@ def test_build_app_reads_serves_flags_and_the_routers_settings(tiny_model_dir):
 
     app = build_app({"replicas": "3", "router": "least_loaded", "model": tiny_model_dir,
                      "num_threads": "1", "enable_prefix_caching": "true",
-                     "overload_slack_tokens": "4096", "kv_store": ["disk:/tmp/hp-x"]})
+                     "prefill_weight": "2.5", "kv_store": ["disk:/tmp/hp-x"]})
     engine = app._bound_deployment.init_args[0]  # the EngineReplica deployment, bound
     assert engine._bound_deployment.num_replicas == 3
     kwargs = engine._bound_deployment._deployment_config.request_router_config.request_router_kwargs
     assert kwargs["policy"] == "least_loaded"
-    assert kwargs["router_options"]["overload_slack_tokens"] == 4096
+    assert kwargs["router_options"]["prefill_weight"] == 2.5
     assert engine._bound_deployment.init_args[0].cache.kv_store == ("disk:/tmp/hp-x",)
     for bad in ({"replicas": "x"}, {"no_such_option": 1}, {"router": "smallest_tree"}):
         with pytest.raises(ConfigError):

@@ -20,8 +20,8 @@ class FleetConfig:
     replicas: int = 1
     """Engine replicas; 1 = the single-process server (no Ray)."""
     router: str = "prefix"
-    """How requests pick a replica: ``prefix`` (cost = w x blocks to prefill + load, the routing
-    core), ``round_robin``, ``least_loaded``, or ``ray_default`` (Ray Serve's own default router,
+    """How requests pick a replica: ``prefix`` (least expected time to first token: queued work +
+    prefill of what is not cached there, the routing core), ``round_robin``, ``least_loaded``, or ``ray_default`` (Ray Serve's own default router,
     power of two choices on queue length, blind to prefixes)."""
     ray_address: str | None = None
     """Ray cluster to join (``auto``, ``ray://HOST:10001``); None = start a local Ray."""
@@ -31,8 +31,10 @@ class FleetConfig:
     """GPUs Ray reserves for each engine replica."""
     max_ongoing_requests: int = 64
     """Requests Ray Serve sends one replica at a time (the rest queue in the front end)."""
-    stats_period_s: float = 1.0
-    """How often each replica reports its load (running and waiting tokens) to the router."""
+    stats_period_s: float = 0.25
+    """How often each replica reports its work and rates to the router (a CPU replica's prefill
+    takes seconds, so a report a few times a second is current; between reports the router counts
+    its own decisions)."""
     max_retries: int = 3
     """Times the front end resends a request whose replica died before it answered."""
 

@@ -210,7 +210,7 @@ class Frontend:
         if router is None:
             return {"policy": self.fleet.router}
         core = router.core
-        return {"policy": router.policy, "replicas": list(core.replicas), "load_tokens": dict(core.load),
+        return {"policy": router.policy, "replicas": list(core.replicas), "work": core.view(),
                 "indexed_blocks": dict(core.index.num_blocks),
                 "decisions_by_reason": dict(router.num_decisions),
                 "kv_events": sorted(router._events_at)}

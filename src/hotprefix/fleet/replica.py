@@ -5,8 +5,9 @@ every request the front end forwards runs through that app in-process (``asgi.ca
 validation, tenants, errors, streaming and cache reports are the single server's. The replica adds
 its name: the ``x-hotprefix-replica`` header and ``replica`` in every cache report.
 
-It reports its load (running and waiting tokens) and its KV events address to the request router
-through Ray Serve's routing stats. With ``--kv-events tcp://HOST:PORT``, each replica binds the first
+It reports its work and rates (``work``: prompt tokens still to prefill, decode tokens left, its
+measured prefill tok/s and seconds per decoded token, the mean output of its requests, and when it
+sampled them) and its KV events address to the request router through Ray Serve's routing stats. With ``--kv-events tcp://HOST:PORT``, each replica binds the first
 free pair of ports (events, replay) from PORT on, so replicas on one machine do not collide.
 
 Knows nothing about routing.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import time
 import zlib
 from typing import Any, AsyncIterator, Sequence
 from urllib.parse import urlsplit
@@ -27,6 +29,7 @@ from ray import serve
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.asgi import Header, call_asgi
 from hotprefix.fleet.hints import RouteHint
+from hotprefix.fleet.work import StepMeter
 from hotprefix.server.app import create_app
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class EngineReplica:
                     raise
         self.state = self.app.state.hotprefix
         self.state.replica = self.name
+        self.meter = StepMeter().attach(self.state.engine)
         self.engine_config = engine_config
         self._seq = itertools.count()
         log.info("replica %s ready (KV events %s)", self.name, self.events[0] if self.events else "off")
@@ -121,9 +125,11 @@ class EngineReplica:
         return status, hdrs, b"".join(chunks)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve's routing stats: this replica's load and KV events addresses."""
-        load = await self.state.aengine.call(lambda e: e.load_tokens())
-        stats: dict[str, Any] = {"replica": self.name, "load": load, "seq": next(self._seq)}
+        """Ray Serve's routing stats: this replica's work, rates and KV events addresses."""
+        sampled_at = time.time()
+        work = await self.state.aengine.call(self.meter.report)
+        stats: dict[str, Any] = {"replica": self.name, "seq": next(self._seq),
+                                 "sampled_at": sampled_at, **work}
         if self.events:
             stats["kv_events"], stats["kv_events_replay"] = self.events
         return stats

@@ -11,8 +11,10 @@ What the core knows of each replica comes from:
   * its KV events, when the replicas publish them (``--kv-events``): the addresses arrive in the
     replicas' routing stats, and the feed is polled before every decision;
   * its own decisions (the core's TTL memory), always;
-  * the replicas' load (running and waiting tokens), reported every ``stats_period_s`` through Ray
-    Serve's routing stats, plus the prefill tokens the router has sent since.
+  * the replicas' work and rates (prompt tokens to prefill, decode tokens left, measured prefill
+    tok/s and seconds per decoded token; ``hotprefix.fleet.work``), reported every
+    ``stats_period_s`` through Ray Serve's routing stats, plus every request the router has routed
+    since the report was sampled (counted at once, so a burst between reports spreads).
 A replica that leaves (killed, scaled down, died) is forgotten by the index, the memory and the
 load table at once (``update_replicas``, ``on_replica_actor_died``).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -47,7 +50,9 @@ class HotprefixRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix", block_size: int = 16,
                          router_options: dict[str, Any] | None = None, **_: Any) -> None:
         self.policy = policy
-        self.core = Router([], block_size, RouterConfig(policy=policy, **(router_options or {})))
+        # wall-clock time: the replicas' reports carry when they were sampled (time.time())
+        self.core = Router([], block_size, RouterConfig(policy=policy, **(router_options or {})),
+                           clock=time.time)
         self.feed: Any = None
         self.decisions: dict[str, Decision] = {}
         """Internal request id -> its decision, until the request completes."""
@@ -80,7 +85,7 @@ class HotprefixRequestRouter(RequestRouter):
             self.feed.disconnect(name)
 
     def _sync(self, candidates: List[RunningReplica]) -> None:
-        """Loads and event addresses from the routing stats; apply the events received."""
+        """Work, rates and event addresses from the routing stats; apply the events received."""
         for r in candidates:
             name = r.replica_id.unique_id
             self.core.add_replica(name)
@@ -88,7 +93,11 @@ class HotprefixRequestRouter(RequestRouter):
             seq = stats.get("seq")
             if seq is not None and seq != self._stats_seq.get(name):
                 self._stats_seq[name] = seq
-                self.core.set_load(name, float(stats.get("load", 0)))
+                self.core.report(name, float(stats.get("prefill_tokens", 0)),
+                                 float(stats.get("decode_tokens", 0)), stats.get("prefill_tok_s"),
+                                 stats.get("decode_token_s"), stats.get("output_tokens"),
+                                 stats.get("sampled_at"), stats.get("empty_blocks"),
+                                 stats.get("hit_ratio"))
             endpoint = stats.get("kv_events")
             if endpoint and self._events_at.get(name) != endpoint and self.policy == "prefix":
                 if self.feed is None:
@@ -122,18 +131,19 @@ class HotprefixRequestRouter(RequestRouter):
                 self.decisions[rid] = d
         first = by_name.get(d.replica)
         rest = sorted((r for r in candidate_replicas if r is not first),
-                      key=lambda r: self.core.load.get(r.replica_id.unique_id, 0.0))
+                      key=lambda r: self._work(r.replica_id.unique_id))
         return [[first], rest] if first is not None else [rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         d = self.decisions.get(pending_request.metadata.internal_request_id)
         name = replica_id.unique_id
-        if d is not None and d.replica != name and name in self.core.load:
-            # Ray Serve took a later rank (the chosen replica's queue was full): move the load
-            self.core.finished(d)
-            d.replica = name
-            self.core.load[name] += d.prefill_tokens
+        if d is not None and d.replica != name:
+            # Ray Serve took a later rank (the chosen replica's queue was full): move the work
+            self.core.moved(d, name)
+
+    def _work(self, name: str) -> float:
+        return self.core.work_s(name) if name in self.core.loads else 0.0
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         d = self.decisions.pop(internal_request_id, None)

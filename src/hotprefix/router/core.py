@@ -1,24 +1,36 @@
 """The routing core: which replica should serve a request.
 
-For the ``prefix`` policy, each replica is scored
+For the ``prefix`` policy, each replica is priced in seconds:
 
-    cost = w x tokens to prefill there + its load (running and waiting tokens)
+    cost = its work + w x prefill time of what it has not cached + what the write evicts there
 
-where the tokens to prefill are the prompt's tokens minus its leading run of blocks cached in that
-replica's pool, with blocks it can load from a KV tier (its own, or one shared by every replica)
-counted at ``tier_weight`` of a prefill. What a replica holds comes from its KV events
-(``index.BlockIndex``), and, where no event says otherwise, from the router's own past decisions
-(every block of a prompt is remembered as going to the replica it was sent to, for
-``decision_ttl_s``): with events off, late or dropped, a conversation's next turn still finds its
-replica.
+work + prefill time is the request's expected time to first token there. w (``prefill_weight``;
+derived by default) is 1 + the requests expected to queue behind it: the fleet's arrival rate per
+replica x the time until the queues empty, (mean work + this prefill) / (1 - utilization), both
+measured over the router's recent decisions; a second of prefill delays each of them too. A quiet
+fleet has w = 1. The eviction term prices the blocks the prompt writes beyond the replica's empty
+ones (when it reports them): each at its prefill time x that replica's hit ratio (the chance a
+cached block there is read again). No token counts or ratios tuned on a trace.
 
-  * A replica loaded past ``overload_ratio`` x the mean load (+ slack) is not chosen for its
-    prefix: affinity yields to load there (``reason="overloaded"`` when it would have won).
-  * When no replica holds more of the prompt than the others, beyond a *shared* prefix (one that
-    ``shared_prefix_fanout`` different prompts continued, e.g. a system prompt), the request is a
-    miss for routing: the less loaded of two replicas drawn at random (power of two choices).
-    Never "the smallest tree", never the same replica for every miss.
-  * OpenAI's ``prompt_cache_key``: the same key goes to the same replica while it is not overloaded.
+The replica's work is the time its queued and running work takes at its own measured rates
+(``load``: prefill tokens left / prefill tok/s + decode tokens left x s per decoded token), plus
+every request routed there since its last report (optimistic accounting: a burst of decisions
+between reports spreads instead of landing on one replica). The tokens cached there are the
+prompt's leading run of blocks in that replica's pool, with blocks it can load from a KV tier (its
+own, or one shared by every replica) at ``tier_weight`` of a prefill. What a replica holds comes
+from its KV events (``index.BlockIndex``), and, where no event says otherwise, from the router's
+own past decisions (every block of a prompt is remembered as going to the replica it was sent to,
+for ``decision_ttl_s``): with events off, late or dropped, a conversation's next turn still finds
+its replica.
+
+  * Affinity yields by time, not by a token count: a holder is passed over when its queue is longer
+    than (w x) the prefill time it saves, and the replica that then computes the prompt becomes a
+    holder too (a hot prefix is replicated by routing when its one holder is the bottleneck).
+  * A prefix every replica holds (a shared system prompt, a shared KV tier) saves the same time
+    everywhere, so it is no reason to pile up: the choice is by work alone.
+  * Equal costs (a quiet fleet, a prompt nobody holds) go to a random one of them.
+  * OpenAI's ``prompt_cache_key``: the same key goes to the same replica while that replica is
+    dearer than the cheapest by no more than the whole prompt's prefill time.
 
 The router computes a request's block keys as the replicas do (``BlockHasher`` with the model +
 tokenizer namespace, the tenant's salt at its block), so event hashes match byte for byte. Knows
@@ -27,6 +39,7 @@ nothing about HTTP, Ray or sockets. Imports no torch.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import time
@@ -37,7 +50,15 @@ from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.router.config import RouterConfig
 from hotprefix.router.index import BlockIndex
+from hotprefix.router.load import Pending, ReplicaLoad
 from hotprefix.router.memory import TtlMap
+
+EPS_S = 1e-9
+"""Costs closer than this are equal (ties are drawn at random)."""
+RECENT = 64
+"""Decisions whose arrival times and work give the fleet's arrival rate and utilization."""
+MAX_UTILIZATION = 0.99
+"""Utilization estimates are capped here (a fleet measured at 100% would price work infinitely)."""
 
 
 @dataclass
@@ -46,15 +67,23 @@ class Decision:
 
     replica: str
     reason: str
-    """``prefix`` (best cost), ``prompt_cache_key``, ``least_loaded`` (nothing told replicas apart:
-    power of two choices), ``overloaded`` (the best prefix holder was overloaded), ``round_robin``."""
+    """``prefix`` (a holder of more of the prompt than others had the least cost),
+    ``prompt_cache_key``, ``least_loaded`` (no replica held more than another: chosen by work),
+    ``overloaded`` (a holder of more of the prompt was passed over for its queue),
+    ``round_robin``."""
     hit_blocks: int = 0
     """Leading blocks the chosen replica is expected to hold in its pool."""
     tier_blocks: int = 0
     """Blocks after those it is expected to load from a tier."""
     prefill_tokens: int = 0
-    """Tokens it is expected to compute; added to its load until ``finished``."""
+    """Tokens it is expected to compute; counted in its work until its next report."""
+    decode_tokens: float = 0.0
+    """Tokens it is expected to decode; counted likewise."""
     cost: float = 0.0
+    """The chosen replica's cost (seconds)."""
+    ttft_s: float = 0.0
+    """Expected time to first token there: its work + this prompt's prefill time."""
+    pending: Pending | None = None
 
 
 class Router:
@@ -64,7 +93,8 @@ class Router:
         replicas: replica names, in a fixed order.
         block_size: tokens per block (the replicas').
         hasher: computes block keys as the replicas do (needed by ``route_tokens`` only).
-        clock: seconds, for the decision memory's TTL (the simulator passes trace time).
+        clock: seconds, for the decision memory's TTL and the reports (the simulator passes
+            trace time).
     """
 
     def __init__(self, replicas: Sequence[str], block_size: int, config: RouterConfig | None = None,
@@ -74,18 +104,17 @@ class Router:
         self.hasher = hasher
         self.clock = clock
         self.replicas: list[str] = []
-        self.load: dict[str, float] = {}
-        """Replica -> running and waiting tokens (``set_load``, plus what ``route`` assigns)."""
+        self.loads: dict[str, ReplicaLoad] = {}
+        """Replica -> its reported work and rates, plus what ``route`` sent since."""
         self.index = BlockIndex()
         self.memory: TtlMap[tuple[BlockKey, str], bool] = TtlMap(self.config.decision_ttl_s,
                                                                   self.config.max_remembered_blocks)
         """(block key, replica) for every block the router sent to a replica, until ``decision_ttl_s``."""
         self.affinity: TtlMap[str, str] = TtlMap(self.config.decision_ttl_s,
                                                  self.config.max_affinity_keys)
-        self.fanout: TtlMap[BlockKey, tuple[BlockKey, int]] = TtlMap(
-            self.config.decision_ttl_s, self.config.max_remembered_blocks)
-        """Block key -> (the last next block seen after it, how often that next block changed)."""
         self.index.listeners.append(lambda r, k: self.memory.discard((k, r)))  # events win
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)
+        """(arrival time, seconds of work) of the last decisions."""
         self._rng = random.Random(self.config.seed)
         self._rr = itertools.count()
         for r in replicas:
@@ -93,50 +122,127 @@ class Router:
 
     # ------------------------------------------------------------------ the fleet
     def add_replica(self, name: str) -> None:
-        if name not in self.load:
+        if name not in self.loads:
             self.replicas.append(name)
-            self.load[name] = 0.0
+            self.loads[name] = ReplicaLoad()
 
     def remove_replica(self, name: str) -> None:
         """``name`` left (killed, scaled down): forget its blocks, decisions and load."""
-        if name in self.load:
+        if name in self.loads:
             self.replicas.remove(name)
-            del self.load[name]
+            del self.loads[name]
             self.index.forget(name)
             self.memory.discard_if(lambda key, _: key[1] == name)
             self.affinity.discard_if(lambda _, r: r == name)
 
     def apply_events(self, replica: str, events: Sequence[Any]) -> None:
         """One decoded ``KVEventBatch``'s events from ``replica``."""
-        if replica in self.load:
+        if replica in self.loads:
             self.index.apply(replica, events)
 
+    def report(self, replica: str, prefill_tokens: float, decode_tokens: float = 0.0,
+               prefill_tok_s: float | None = None, decode_token_s: float | None = None,
+               output_tokens: float | None = None, sampled_at: float | None = None,
+               empty_blocks: float | None = None, hit_ratio: float | None = None) -> None:
+        """A replica's report: prompt tokens still to prefill and decode tokens left over its
+        running and waiting requests, its measured rates (None: unchanged), the mean output of
+        its requests; ``sampled_at`` (router clock, default now): when the replica measured it
+        (what was routed there before is in it); ``empty_blocks`` and ``hit_ratio``: its pool's
+        empty blocks and the share of its prompt tokens it served from cache."""
+        if replica in self.loads:
+            self.loads[replica].report(prefill_tokens, decode_tokens,
+                                       self.clock() if sampled_at is None else sampled_at,
+                                       prefill_tok_s, decode_token_s, output_tokens,
+                                       empty_blocks, hit_ratio)
+
     def set_load(self, replica: str, tokens: float) -> None:
-        """A replica's reported load: running + waiting tokens."""
-        if replica in self.load:
-            self.load[replica] = float(tokens)
+        """A report of ``tokens`` still to prefill and nothing to decode (rates unchanged)."""
+        self.report(replica, tokens)
 
     def finished(self, decision: Decision) -> None:
-        """The routed request ended: its prefill tokens leave the replica's load."""
-        if decision.replica in self.load:
-            self.load[decision.replica] = max(0.0, self.load[decision.replica] - decision.prefill_tokens)
+        """The routed request ended: if no report has counted it yet, take it back."""
+        load = self.loads.get(decision.replica)
+        if load is not None and decision.pending is not None:
+            load.take_back(decision.pending)
+        decision.pending = None
+
+    def moved(self, decision: Decision, replica: str) -> None:
+        """The request went to ``replica`` instead (a later rank): move its counted work."""
+        if replica not in self.loads or replica == decision.replica:
+            return
+        self.finished(decision)
+        decision.replica = replica
+        decision.pending = Pending(self.clock(), decision.prefill_tokens, decision.decode_tokens,
+                                   decision.prefill_tokens / self.block_size)
+        self.loads[replica].add(decision.pending)
+
+    # ------------------------------------------------------------------ time
+    def rates(self, replica: str) -> tuple[float, float]:
+        """(prefill tok/s, s per decoded token) of ``replica``: its own measurement, else the
+        fleet's mean of those measured, else the config's priors."""
+        cfg = self.config
+        own = self.loads[replica]
+        pre = own.prefill_tok_s
+        dec = own.decode_token_s
+        if pre is None:
+            known = [x.prefill_tok_s for x in self.loads.values() if x.prefill_tok_s]
+            pre = sum(known) / len(known) if known else cfg.default_prefill_tok_s
+        if dec is None:
+            known = [x.decode_token_s for x in self.loads.values() if x.decode_token_s]
+            dec = sum(known) / len(known) if known else cfg.default_decode_token_s
+        return pre, dec
+
+    def work_s(self, replica: str) -> float:
+        """Seconds of queued and running work on ``replica`` (reported + routed since)."""
+        return self.loads[replica].work_s(*self.rates(replica))
+
+    def expected_output(self, replica: str) -> float:
+        """Tokens a new request is expected to decode there (the replicas' reported mean)."""
+        own = self.loads[replica].output_tokens
+        if own is not None:
+            return own
+        known = [x.output_tokens for x in self.loads.values() if x.output_tokens is not None]
+        return sum(known) / len(known) if known else 0.0
+
+    def eviction_s(self, replica: str, compute: int) -> float:
+        """What writing ``compute`` new tokens' blocks on ``replica`` evicts, in prefill seconds
+        someone will spend again: the blocks beyond its empty ones, each worth its prefill time x
+        the chance a cached block is read again there (its hit ratio). 0 where not reported."""
+        load = self.loads[replica]
+        empty = load.empty_left()
+        if empty is None or load.hit_ratio is None:
+            return 0.0
+        over = compute / self.block_size - empty
+        return max(0.0, over) * self.block_size * load.hit_ratio / self.rates(replica)[0]
+
+    def view(self) -> dict[str, dict[str, float]]:
+        """Per replica: work seconds, tokens (prefill, decode) counted, rates; for stats pages."""
+        out = {}
+        for r in self.replicas:
+            pre, dec = self.loads[r].tokens()
+            p, d = self.rates(r)
+            out[r] = {"work_s": round(self.work_s(r), 4), "prefill_tokens": round(pre),
+                      "decode_tokens": round(dec), "prefill_tok_s": round(p, 1),
+                      "decode_token_s": round(d, 6), "pending": len(self.loads[r].pending)}
+        return out
 
     # ------------------------------------------------------------------ routing
     def route_tokens(self, token_ids: Sequence[int], salt: str | None = None,
-                     salt_from_block: int = 0, prompt_cache_key: str | None = None) -> Decision:
+                     salt_from_block: int = 0, prompt_cache_key: str | None = None,
+                     decode_tokens: float | None = None) -> Decision:
         """Route a prompt given as token ids (keys computed as the replicas compute them)."""
         if self.hasher is None:
             raise ValueError("route_tokens needs the router's BlockHasher (the replicas' namespace)")
         n = len(token_ids) // self.block_size
         keys = self.hasher.keys(token_ids[:n * self.block_size], salt, salt_from_block)
-        return self.route(keys, len(token_ids), prompt_cache_key)
+        return self.route(keys, len(token_ids), prompt_cache_key, decode_tokens)
 
     def route(self, keys: Sequence[BlockKey], num_tokens: int,
-              prompt_cache_key: str | None = None) -> Decision:
+              prompt_cache_key: str | None = None, decode_tokens: float | None = None) -> Decision:
         """Pick a replica for a prompt of ``num_tokens`` tokens whose full blocks have ``keys``,
-        remember the decision (the replica will cache every one of those blocks), and add its
-        prefill tokens to that replica's load. Only blocks a replica may serve from cache count
-        (never the last prompt token's).
+        remember the decision (the replica will cache every one of those blocks), and count its
+        work on that replica at once. Only blocks a replica may serve from cache count (never the
+        last prompt token's). ``decode_tokens``: the output expected (None: the replicas' mean).
 
         Raises:
             RuntimeError: no replica.
@@ -145,79 +251,87 @@ class Router:
             raise RuntimeError("no replica to route to")
         cfg = self.config
         if cfg.policy == "round_robin":
-            d = Decision(self.replicas[next(self._rr) % len(self.replicas)], "round_robin",
-                         prefill_tokens=num_tokens)
+            d = self._plain(self.replicas[next(self._rr) % len(self.replicas)], "round_robin",
+                            num_tokens)
         elif cfg.policy == "least_loaded":
-            d = Decision(min(self.replicas, key=self.load.__getitem__), "least_loaded",
-                         prefill_tokens=num_tokens)
+            d = self._plain(self._least(self.replicas, self.work_s), "least_loaded", num_tokens)
         else:
-            shared = self._shared_depth(keys)
             d = self._route_prefix(keys[:cacheable_blocks(num_tokens, self.block_size)], num_tokens,
-                                   prompt_cache_key, shared)
-        self.load[d.replica] += d.prefill_tokens
+                                   prompt_cache_key)
+        d.decode_tokens = self.expected_output(d.replica) if decode_tokens is None else decode_tokens
         now = self.clock()
+        pre, dec = self.rates(d.replica)
+        self._recent.append((now, d.prefill_tokens / pre + d.decode_tokens * dec))
+        d.pending = Pending(now, d.prefill_tokens, d.decode_tokens, d.prefill_tokens / self.block_size)
+        self.loads[d.replica].add(d.pending)
         for k in keys:
             self.memory.set((k, d.replica), True, now)
         if prompt_cache_key is not None:
             self.affinity.set(prompt_cache_key, d.replica, now)
         return d
 
-    def overloaded(self) -> set[str]:
-        """Replicas past the overload threshold (no affinity for them)."""
-        cfg = self.config
-        mean = sum(self.load.values()) / len(self.load)
-        limit = cfg.overload_ratio * mean + cfg.overload_slack_tokens
-        return {r for r, x in self.load.items() if x > limit}
+    def _plain(self, r: str, reason: str, num_tokens: int) -> Decision:
+        pre, _ = self.rates(r)
+        wait = self.work_s(r)
+        return Decision(r, reason, prefill_tokens=num_tokens, cost=wait,
+                        ttft_s=wait + num_tokens / pre)
 
-    def _shared_depth(self, keys: Sequence[BlockKey]) -> int:
-        """Record which block follows which in this prompt; return how many leading blocks end at
-        the deepest shared-prefix block (one followed by ``shared_prefix_fanout`` different ones)."""
-        now = self.clock()
-        fan = self.fanout
-        limit = self.config.shared_prefix_fanout - 1
-        depth = 0
-        for i in range(len(keys) - 1):
-            k, nxt = keys[i], keys[i + 1]
-            seen = fan.get(k, now)
-            changes = 0 if seen is None else seen[1] + (seen[0] != nxt)
-            fan.set(k, (nxt, changes), now)
-            if changes >= limit:
-                depth = i + 1
-        return depth
+    def _least(self, candidates: Sequence[str], cost: Callable[[str], float]) -> str:
+        """The cheapest candidate; a random one of those that tie."""
+        costs = {r: cost(r) for r in candidates}
+        low = min(costs.values())
+        tied = [r for r in candidates if costs[r] <= low + EPS_S]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def traffic(self) -> tuple[float, float]:
+        """(arrivals per second per replica, utilization) over the recent decisions; (0, 0)
+        before two decisions at different times."""
+        rec = self._recent
+        span = rec[-1][0] - rec[0][0] if len(rec) > 1 else 0.0
+        if span <= 0:
+            return 0.0, 0.0
+        n = len(self.replicas)
+        work = sum(w for _, w in list(rec)[1:])
+        return (len(rec) - 1) / span / n, min(MAX_UTILIZATION, work / span / n)
 
     def _route_prefix(self, keys: Sequence[BlockKey], num_tokens: int,
-                      prompt_cache_key: str | None, shared: int = 0) -> Decision:
+                      prompt_cache_key: str | None) -> Decision:
         cfg = self.config
         bs = self.block_size
         now = self.clock()
-        over = self.overloaded()
         memory = self.memory
         runs = self.index.runs(keys, self.replicas, lambda r, k: memory.get((k, r), now) is not None)
-
-        def decision(r: str, reason: str) -> Decision:
+        scored: dict[str, Decision] = {}
+        lam, rho = self.traffic() if cfg.prefill_weight is None else (0.0, 0.0)
+        mean_wait = sum(self.work_s(r) for r in self.replicas) / len(self.replicas)
+        for r in self.replicas:
             pool, tier = runs[r]
-            prefill = max(1, num_tokens - (pool + tier) * bs)
-            cost = cfg.prefill_weight * (prefill + cfg.tier_weight * tier * bs) + self.load[r]
-            return Decision(r, reason, pool, tier, prefill, cost)
-
+            pre, _ = self.rates(r)
+            compute = max(1, num_tokens - (pool + tier) * bs)
+            prefill_s = (compute + cfg.tier_weight * tier * bs) / pre
+            wait = self.work_s(r)
+            # a second of prefill added here also delays the requests that queue behind it: the
+            # fleet's next arrivals (spread over the replicas) until the queues empty
+            w = (1 + lam * (mean_wait + prefill_s) / (1 - rho) if cfg.prefill_weight is None
+                 else cfg.prefill_weight)
+            scored[r] = Decision(r, "prefix", pool, tier, compute,
+                                 cost=wait + w * prefill_s + self.eviction_s(r, compute),
+                                 ttft_s=wait + prefill_s)
+        best = self._least(self.replicas, lambda r: scored[r].cost)
         if prompt_cache_key is not None:
             r = self.affinity.get(prompt_cache_key, now)
-            if r is not None and r in self.load and r not in over:
-                return decision(r, "prompt_cache_key")
-        ok = [r for r in self.replicas if r not in over] or list(self.replicas)
-        saved = [pool + (1 - cfg.tier_weight) * tier for pool, tier in runs.values()]
-        if max(saved) <= max(min(saved), shared):  # nothing tells the replicas apart
-            return decision(self._two_choices(ok), "least_loaded")
-        scored = {r: decision(r, "prefix") for r in self.replicas}
-        best = min(self.replicas, key=lambda r: scored[r].cost)
-        if best in over:
-            d = scored[min(ok, key=lambda r: scored[r].cost)]
-            d.reason = "overloaded"
-            return d
-        return scored[best]
-
-    def _two_choices(self, candidates: list[str]) -> str:
-        if len(candidates) == 1:
-            return candidates[0]
-        a, b = self._rng.sample(candidates, 2)
-        return a if self.load[a] <= self.load[b] else b
+            if r is not None and r in scored:
+                pre, _ = self.rates(r)
+                # its replica may be dearer by no more than the whole prompt's prefill time
+                w = 1.0 if cfg.prefill_weight is None else cfg.prefill_weight
+                if scored[r].ttft_s - scored[best].ttft_s <= w * num_tokens / pre:
+                    d = scored[r]
+                    d.reason = "prompt_cache_key"
+                    return d
+        saved = {r: pool + (1 - cfg.tier_weight) * tier for r, (pool, tier) in runs.items()}
+        d = scored[best]
+        if max(saved.values()) <= min(saved.values()):  # nothing tells the replicas apart
+            d.reason = "least_loaded"
+        elif saved[best] <= min(saved.values()):
+            d.reason = "overloaded"  # a holder of more of it was passed over for its queue
+        return d

@@ -19,6 +19,11 @@ from hotprefix.simulate.fleet import TARGET_UTILIZATION, replay_fleet
 from hotprefix.simulate.traces import TraceRequest
 
 
+def rates(text: str) -> list[float]:
+    """``A`` or ``A,B,...``: positive rates (one for every replica, or one per replica)."""
+    return [positive_float(x) for x in text.split(",")]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The fleet's arguments, on the ``simulate`` parser."""
     g = p.add_argument_group("fleet", "replay through R replicas behind the routing core")
@@ -29,15 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drop-events", type=non_negative_float, default=None,
                    help="share of KV events lost on their way to the prefix router (0..1; "
                         "default: 0)")
-    g.add_argument("--tokens-per-second", type=positive_float, default=None,
-                   help="prefill speed of a replica, for its load; default: the fleet would be "
-                        f"{TARGET_UTILIZATION * 100:.0f}%% busy if nothing hit")
+    g.add_argument("--tokens-per-second", type=rates, default=None, metavar="TOK_S[,TOK_S...]",
+                   help="prefill tokens per second of a replica, or one per replica; default: the "
+                        f"fleet would be {TARGET_UTILIZATION * 100:.0f}%% busy if nothing hit")
+    g.add_argument("--decode-tokens-per-second", type=rates, default=None, metavar="TOK_S[,TOK_S...]",
+                   help="decode tokens per second of one sequence on a replica, or one per replica "
+                        "(the trace's output lengths become work); default: decode not modelled")
     g.add_argument("--prefill-weight", type=non_negative_float, default=None,
                    help=f"the prefix router's w in w x tokens to prefill + load "
-                        f"(default: {RouterConfig.prefill_weight})")
+                        "(default: derived from the fleet's traffic at each decision)")
 
 
-FLEET_FLAGS = ("router", "drop_events", "tokens_per_second", "prefill_weight")
+FLEET_FLAGS = ("router", "drop_events", "tokens_per_second", "decode_tokens_per_second",
+               "prefill_weight")
 """The fleet's own flags (default None: given or not); they need ``--replicas``."""
 
 
@@ -65,13 +74,21 @@ def run(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
                       f"{', '.join(sorted(EVICTION_POLICIES))}")
     router = args.router or RouterConfig.policy
     drop = args.drop_events or 0.0
-    weight = RouterConfig.prefill_weight if args.prefill_weight is None else args.prefill_weight
+    weight = args.prefill_weight
     if not 0.0 <= drop <= 1.0:
         return _error("--drop-events must be in [0, 1]")
     cfg = RouterConfig(policy=router, prefill_weight=weight)
-    res = replay_fleet(reqs, args.replicas, args.capacity_tokens, router, args.policy,
-                       args.block_size, drop, args.tokens_per_second, cfg,
-                       admission_tail_tokens=args.admission_tail_tokens)
+    for flag, value in (("--tokens-per-second", args.tokens_per_second),
+                        ("--decode-tokens-per-second", args.decode_tokens_per_second)):
+        if value is not None and len(value) not in (1, args.replicas):
+            return _error(f"{flag}: one rate, or one per replica ({args.replicas})")
+    try:
+        res = replay_fleet(reqs, args.replicas, args.capacity_tokens, router, args.policy,
+                           args.block_size, drop, args.tokens_per_second, cfg,
+                           admission_tail_tokens=args.admission_tail_tokens,
+                           decode_tokens_per_s=args.decode_tokens_per_second)
+    except ValueError as e:
+        return _error(str(e))
     out = res.to_json()
     if args.json:
         print(json.dumps(out))
@@ -79,6 +96,9 @@ def run(args: argparse.Namespace, reqs: list[TraceRequest]) -> int:
     print(f"{router} over {args.replicas} replicas of {args.capacity_tokens:,} tokens "
           f"({out['policy']}, block {args.block_size}): block hit ratio {out['block_hit_ratio']:.4f}, "
           f"load imbalance {out['load_imbalance']:.3f}")
+    t = out["modelled_ttft_s"]
+    print(f"  modelled TTFT: mean {t['mean']:.3f} s, p50 {t['p50']:.3f} s, p90 {t['p90']:.3f} s, "
+          f"p99 {t['p99']:.3f} s (prefill {out['tokens_per_s']:,.0f} tok/s a replica)")
     for i, p in enumerate(out["per_replica"]):
         print(f"  replica {i}: {p['requests']:,} requests, {p['computed_tokens']:,} computed tokens, "
               f"{p['hit_tokens']:,} hit tokens")

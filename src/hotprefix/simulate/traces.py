@@ -69,6 +69,8 @@ class TraceRequest:
     """Pin the blocks it writes for this many seconds."""
     id_tokens: int = 0
     """Tokens behind one entry of ``block_ids`` (512 for Mooncake); 0 = the replay's block size."""
+    num_output_tokens: int = 0
+    """Tokens it decodes (the fleet replay's decode work), where the trace says."""
 
     def tokens(self, block_size: int) -> list[int]:
         """The request's ``num_tokens`` token ids: its own, or synthetic ones (``synthetic_tokens``)."""
@@ -189,11 +191,10 @@ def parse_request(obj: Any, block_size: int) -> TraceRequest:
         if MOONCAKE_BLOCK % block_size:
             raise ValueError(f"block_size must divide {MOONCAKE_BLOCK} for Mooncake traces, got {block_size}")
         n = _int(_field(obj, "input_length"), "input_length", minimum=0)
-        if "output_length" in obj:
-            _int(obj["output_length"], "output_length", minimum=0)
+        n_out = _int(obj.get("output_length", 0), "output_length", minimum=0)
         r = TraceRequest(n, n, _int_list(obj["hash_ids"], "hash_ids"),
                          timestamp=_number(obj.get("timestamp", 0), "timestamp") / 1000.0,
-                         id_tokens=MOONCAKE_BLOCK, **ctl)
+                         id_tokens=MOONCAKE_BLOCK, num_output_tokens=n_out, **ctl)
     elif "block_keys" in obj:
         bs = _int(obj.get("block_size", block_size), "block_size", minimum=1)
         if bs != block_size:
@@ -207,7 +208,8 @@ def parse_request(obj: Any, block_size: int) -> TraceRequest:
             raise ValueError(f"field 'block_keys' must be a list of hex strings, got {_got(keys)}")
         ids = [log_block_id(_block_key(k, f"block_keys[{i}]"))
                for i, k in enumerate(keys[:total // block_size])]
-        r = TraceRequest(n, total, ids, timestamp=_number(obj.get("timestamp", 0), "timestamp"), **ctl)
+        r = TraceRequest(n, total, ids, timestamp=_number(obj.get("timestamp", 0), "timestamp"),
+                         num_output_tokens=n_out, **ctl)
     else:
         name = "token_ids" if "token_ids" in obj else "prompt_token_ids"
         if name not in obj:

@@ -1,0 +1,149 @@
+"""The routing core's cost model on constructed fleet states (torch-free, no sockets): a replica busy
+decoding is priced by its decode work, a burst of decisions between two reports spreads, a prefix
+every replica holds is no reason to pile up (choose by work), an overloaded holder yields and the
+replica that takes its prompt becomes a holder, reports supersede the router's own accounting,
+measured rates count, and the fleet simulator runs on the same core (its modelled TTFT is the
+router's expected TTFT)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from hotprefix.cache.hashing import BlockHasher, namespace_key
+from hotprefix.events.schema import ARRAY
+from hotprefix.router import Router, RouterConfig
+from hotprefix.simulate import TraceRequest
+from hotprefix.simulate.fleet import replay_fleet
+
+BS = 16
+NS = namespace_key("model-fp", "tokenizer-fp")
+HASHER = BlockHasher(NS, BS)
+
+
+def toks(rng: random.Random, n_blocks: int) -> list[int]:
+    return [rng.randrange(1, 50000) for _ in range(n_blocks * BS)]
+
+
+def router(n: int = 2, **cfg) -> Router:
+    t = [0.0]
+    r = Router([f"r{i}" for i in range(n)], BS, RouterConfig(**cfg), HASHER, clock=lambda: t[0])
+    r.t = t  # type: ignore[attr-defined]
+    for name in r.replicas:  # every replica measured: 1,000 prefill tok/s, 50 ms a decoded token
+        r.report(name, 0, 0, prefill_tok_s=1000.0, decode_token_s=0.05, output_tokens=0)
+    return r
+
+
+def hold(r: Router, replica: str, prompt: list[int]) -> None:
+    """``replica`` holds ``prompt``'s full blocks, as its KV events say."""
+    n = len(prompt) // BS * BS
+    r.apply_events(replica, [ARRAY.BlockStored(HASHER.keys(prompt[:n]), None, prompt[:n], BS, None,
+                                               "GPU", None)])
+
+
+def test_a_replica_busy_decoding_is_priced_by_its_decode_work():
+    rng = random.Random(1)
+    doc = toks(rng, 30)  # 480 tokens: 0.48 s of prefill saved on its holder
+    r = router(2)
+    hold(r, "r0", doc)
+    # r0 decodes 8 sequences with 50 tokens left each: 400 x 50 ms = 20 s of work, no prompt left
+    r.report("r0", prefill_tokens=0, decode_tokens=400)
+    d = r.route_tokens(doc + toks(rng, 1))
+    assert d.replica == "r1" and d.reason == "overloaded"
+    assert d.ttft_s == pytest.approx((31 * BS) / 1000.0)
+    # the same replica nearly done decoding keeps its prefix
+    r.finished(d)
+    other = toks(rng, 30)
+    hold(r, "r0", other)
+    r.report("r0", prefill_tokens=0, decode_tokens=4)  # 0.2 s < the 0.48 s it saves
+    d = r.route_tokens(other + toks(rng, 1))
+    assert d.replica == "r0" and d.reason == "prefix" and d.hit_blocks == 30
+
+
+def test_a_burst_between_reports_spreads_over_the_fleet():
+    rng = random.Random(2)
+    r = router(3)
+    picks = Counter(r.route_tokens(toks(rng, 8)).replica for _ in range(24))  # no report between
+    assert picks == {"r0": 8, "r1": 8, "r2": 8}
+    # 24 new sessions at once on one system prompt only r0 holds: they do not pile onto r0
+    r = router(3)
+    system = toks(rng, 40)
+    hold(r, "r0", system)
+    picks = Counter(r.route_tokens(system + toks(rng, 4)).replica for _ in range(24))
+    assert len(picks) == 3 and max(picks.values()) <= 16  # r0 takes more: it has nothing to copy
+    works = [r.work_s(n) for n in r.replicas]  # the same time to first token everywhere
+    assert max(works) - min(works) <= (44 * BS + 1) / 1000.0
+    # a report sampled after them supersedes the router's own count; one sampled before does not
+    before = r.work_s("r1")
+    r.report("r1", 0, 0, sampled_at=-1.0)
+    assert r.work_s("r1") == pytest.approx(before)
+    r.report("r1", 0, 0)
+    assert r.work_s("r1") == 0.0
+
+
+def test_a_prefix_every_replica_holds_is_chosen_by_work():
+    rng = random.Random(3)
+    system = toks(rng, 60)
+    r = router(3)
+    for name in r.replicas:
+        hold(r, name, system)
+    r.report("r0", 3000, 0)  # 3 s of prompts queued
+    r.report("r1", 0, 10)    # 0.5 s of decoding
+    r.report("r2", 500, 0)   # 0.5 s of prompts, and twice as fast
+    r.report("r2", 500, 0, prefill_tok_s=2000.0)
+    d = r.route_tokens(system + toks(rng, 3))
+    assert d.replica == "r2" and d.reason == "least_loaded" and d.hit_blocks == 60
+
+
+def test_an_overloaded_holder_yields_and_the_other_replica_becomes_a_holder():
+    rng = random.Random(4)
+    doc = toks(rng, 100)  # 1.6 s of prefill saved on its holder
+    r = router(2)
+    hold(r, "r0", doc)
+    r.report("r0", 1000, 0)  # 1 s queued: affinity wins
+    d = r.route_tokens(doc + toks(rng, 1))
+    assert d.replica == "r0" and d.reason == "prefix"
+    r.finished(d)
+    r.report("r0", 2000, 0)  # 2 s queued > 1.6 s saved: it yields
+    d = r.route_tokens(doc + toks(rng, 1))
+    assert d.replica == "r1" and d.reason == "overloaded"
+    r.finished(d)
+    runs = r.index.runs(HASHER.keys(doc), r.replicas,
+                        lambda rep, k: r.memory.get((k, rep), 0.0) is not None)
+    assert runs == {"r0": (100, 0), "r1": (100, 0)}  # the hot prefix is on both now
+    r.report("r0", 0, 0)
+    picks = Counter(r.route_tokens(doc + toks(rng, 1)).replica for _ in range(40))
+    assert len(picks) == 2  # both holders share it by work
+
+
+def test_a_replica_that_has_not_measured_yet_is_priced_at_the_fleets_rates():
+    r = Router(["a", "b", "c"], BS, RouterConfig(), HASHER)
+    assert r.rates("a") == (RouterConfig.default_prefill_tok_s, RouterConfig.default_decode_token_s)
+    r.report("a", 0, 0, prefill_tok_s=400.0, decode_token_s=0.1)
+    r.report("b", 0, 0, prefill_tok_s=800.0, decode_token_s=0.2)
+    assert r.rates("c") == (600.0, pytest.approx(0.15))
+    r.report("c", 1200, 2)
+    assert r.work_s("c") == pytest.approx(1200 / 600 + 2 * 0.15)
+
+
+def test_the_simulator_prices_requests_with_the_routers_cost_model():
+    rng = random.Random(5)
+    reqs = []
+    for i in range(60):  # 5 documents, 12 questions each, half a second apart
+        n = rng.randrange(20, 40) * BS + 1
+        reqs.append(TraceRequest(n, n, [1000 * (i % 5) + b for b in range(n // BS)],
+                                 timestamp=0.5 * i, num_output_tokens=20))
+    fast_slow = replay_fleet(reqs, 2, 10**6, "prefix", "lru", BS, tokens_per_s=[4000.0, 1000.0],
+                             decode_tokens_per_s=[100.0, 100.0])
+    f, s = fast_slow.per_replica
+    assert f.computed_tokens > s.computed_tokens  # the faster replica takes more of the work
+    assert len(fast_slow.ttfts) == len(reqs)
+    assert fast_slow.ttfts == pytest.approx(fast_slow.router_ttfts)  # the same core, the same model
+    rr = replay_fleet(reqs, 2, 10**6, "round_robin", "lru", BS, tokens_per_s=[4000.0, 1000.0],
+                      decode_tokens_per_s=[100.0, 100.0])
+    assert fast_slow.ttft()["mean"] < rr.ttft()["mean"]
+    assert fast_slow.block_hit_ratio > rr.block_hit_ratio
+    one = replay_fleet(reqs[:1], 1, 10**6, "prefix", "lru", BS, tokens_per_s=500.0)
+    assert one.ttfts == [pytest.approx(reqs[0].num_prompt_tokens / 500.0)]
