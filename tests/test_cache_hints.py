@@ -366,7 +366,7 @@ def test_anthropic_errors_have_anthropics_shape(srv):
     c = ant(srv)
     base = dict(model=srv.model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(anthropic.BadRequestError) as e:
-        c.messages.create(**base, tools=[{"name": "get_time", "input_schema": {"type": "object"}}])
+        c.messages.create(**base, tools=[{"type": "web_search_20250305", "name": "web_search"}])
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert "tools" in e.value.body["error"]["message"]

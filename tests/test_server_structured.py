@@ -232,3 +232,35 @@ def test_a_tenants_schemas_stay_its_own(srv):
         ask(srv, "x", key="sk-bob", response_format=schema_format({"type": "object", "properties": {
             "b": {"$ref": "#/missing"}}}), max_tokens=4)
     assert "alice_private_field_q" not in json.dumps(e.value.body)
+
+
+ANT_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def test_anthropic_tools_round_trip_and_stream(srv):
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=srv.url, api_key="sk-alice-1", max_retries=0, timeout=120)
+    greedy = {"temperature": 0}  # not in the anthropic client's signature any more
+    user = {"role": "user", "content": "What is the weather in Lima?"}
+    r = c.messages.create(model=srv.model, max_tokens=80, messages=[user], tools=ANT_TOOLS,
+                          tool_choice={"type": "tool", "name": "get_weather"}, extra_body=greedy)
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+    use = r.content[0]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER["function"]["parameters"])
+    back = c.messages.create(model=srv.model, max_tokens=16, tools=ANT_TOOLS, extra_body=greedy, messages=[
+        user, {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                 "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "9 C, fog"}]}])
+    assert back.content and back.usage.cache_read_input_tokens > 0  # the tool block, from cache
+    with c.messages.stream(model=srv.model, max_tokens=80, messages=[user], tools=ANT_TOOLS,
+                           tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                           extra_body=greedy) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "content_block_start" in kinds and final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["tool_use"]
+    name = final.content[0].name
+    jsonschema.validate(final.content[0].input, {t["name"]: t for t in ANT_TOOLS}[name]["input_schema"])

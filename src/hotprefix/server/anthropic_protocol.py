@@ -1,9 +1,9 @@
 """Anthropic Messages API schemas (pydantic): the request, its conversion to the chat template's
 messages with its cache breakpoints, the usage figures and the error shape of that API.
 
-Requests are strict as the OpenAI ones are (exact JSON types, unknown fields refused). Text is the
-only content this server takes: other block types (images, documents, tool use and results) and a
-non-empty ``tools`` list are refused with a clear 400.
+Requests are strict as the OpenAI ones are (exact JSON types, unknown fields refused). Content is
+text, ``tool_use`` and ``tool_result`` blocks (tools: ``server/anthropic_tools.py``); other block
+types (images, documents) are refused with a clear 400.
 
 ``cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}`` may mark system blocks, message
 content blocks and the request itself (top level: the whole prompt). Each mark is a *breakpoint*:
@@ -17,10 +17,11 @@ Knows nothing about the engine or HTTP routing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from hotprefix.server.anthropic_tools import history
 from hotprefix.server.protocol import APIError, _Strict
 from hotprefix.tokenizer import Tokenizer
 
@@ -68,25 +69,45 @@ class TextBlock(_Strict):
     cache_control: CacheControlEphemeral | None = None
 
 
-def _text_blocks_only(value: Any, what: str) -> Any:
+class ToolUseBlock(_Strict):
+    """An assistant's call of a tool, sent back with the conversation."""
+
+    type: Literal["tool_use"]
+    id: str = Field(..., max_length=256)
+    name: str = Field(..., max_length=64)
+    input: dict[str, Any]
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolResultBlock(_Strict):
+    """A tool's answer to the call ``tool_use_id``."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(..., max_length=256)
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControlEphemeral | None = None
+
+
+def _text_blocks_only(value: Any, what: str, allowed: tuple[str, ...] = ("text",)) -> Any:
     if isinstance(value, list):
         for block in value:
             kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in allowed:
                 raise ValueError(f"{what} blocks of type '{kind}' are not supported by this server "
-                                 f"(text blocks only)")
+                                 f"({', '.join(allowed)} blocks only)")
     return value
 
 
 class Message(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]]
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _text_blocks_only(data.get("content"), "content")
+            _text_blocks_only(data.get("content"), "content", ("text", "tool_use", "tool_result"))
         return data
 
 
@@ -111,7 +132,7 @@ class MessagesRequest(_Strict):
     cache_control: CacheControlEphemeral | None = None
     """A breakpoint at the end of the whole prompt (Anthropic's automatic caching)."""
     tools: list[dict[str, Any]] | None = None
-    """Refused unless empty: this server does not call tools."""
+    """Client tools ``{name, description, input_schema}`` (``server/anthropic_tools.py``)."""
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
@@ -126,10 +147,6 @@ class MessagesRequest(_Strict):
 
 def unsupported(req: MessagesRequest) -> tuple[str, str] | None:
     """(param, message) for the first parameter set to something this server cannot honor."""
-    if req.tools:
-        return "tools", "tools are not supported by this server (it does not call tools)"
-    if req.tool_choice and req.tool_choice.get("type") not in ("auto", "none"):
-        return "tool_choice", "tool_choice is not supported by this server (it does not call tools)"
     if req.thinking and req.thinking.get("type") != "disabled":
         return "thinking", "extended thinking is not supported by this server"
     return None
@@ -190,12 +207,10 @@ def conversation(req: MessagesRequest) -> Conversation:
         if isinstance(m.content, list):
             for k, block in enumerate(m.content):
                 if block.cache_control is not None:
-                    cuts.append((msgs + [{"role": m.role, "content": _join(m.content[:k + 1])}],
-                                 block.cache_control.ttl_s))
-            text = _join(m.content)
+                    cuts.append((msgs + history(m.role, m.content[:k + 1]), block.cache_control.ttl_s))
+            msgs += history(m.role, m.content)
         else:
-            text = m.content
-        msgs.append({"role": m.role, "content": text})
+            msgs.append({"role": m.role, "content": m.content})
     marks = len(cuts) + (req.cache_control is not None)
     if marks > MAX_BREAKPOINTS:
         raise APIError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
@@ -225,9 +240,10 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a conversation; a final assistant message is continued, not closed."""
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a conversation; a final assistant message is continued, not closed.
+    ``tools``: for a template that renders them (``Tokenizer.renders_tools``)."""
     if prompt.prefill is None:
-        return tokenizer.encode_chat(prompt.messages)
-    text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True) + prompt.prefill
+        return tokenizer.encode_chat(prompt.messages, tools=tools)
+    text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True, tools=tools) + prompt.prefill
     return tokenizer.encode(text, add_special_tokens=False)

@@ -28,6 +28,9 @@ from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
 from hotprefix.textutil import common_prefix_len
 from hotprefix.server import anthropic_protocol as A
+from hotprefix.server import anthropic_tools as AT
+from hotprefix.server import constraints as C
+from hotprefix.server import tools as T
 from hotprefix.server.anthropic_protocol import encode_prompt
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
@@ -73,19 +76,33 @@ def _error(request: Request, status: int, message: str,
 router = APIRouter(route_class=AnthropicRoute)
 
 
-async def prompt_and_hints(state: ServerState, conv: A.Conversation) -> tuple[list[int], CacheHints]:
+def with_tools(state: ServerState, prompt: A.Prompt, functions: list[T.Function]) -> A.Prompt:
+    """The prompt with the tools rendered (the template's way, or the tool block in the system
+    turn) and tool calls and results as the chat template takes them (``server/tools.py``)."""
+    if not functions and not any(m.get("tool_calls") or m["role"] == "tool" for m in prompt.messages):
+        return prompt
+    return A.Prompt(T.render_messages(prompt.messages, functions, state.tokenizer.renders_tools),
+                    prompt.prefill)
+
+
+async def prompt_and_hints(state: ServerState, conv: A.Conversation,
+                           functions: list[T.Function] = ()) -> tuple[list[int], CacheHints]:
     """The prompt's token ids and its breakpoints as ``(end token, ttl_s)`` pins.
 
     A breakpoint's end is where the prompt cut after the marked block stops agreeing with the whole
     prompt (at most the cut's length): the blocks wholly before it are the marked prefix.
     """
-    texts = [str(m.get("content") or "") for m in conv.prompt.messages] + [conv.prompt.prefill or ""]
-    check_fits(state, texts, "messages")
+    functions = list(functions)
+    tools = [f.raw for f in functions] if functions and state.tokenizer.renders_tools else None
+    prompt = with_tools(state, conv.prompt, functions)
+    texts = [str(m.get("content") or "") for m in prompt.messages] + [prompt.prefill or ""]
+    check_fits(state, texts + [json.dumps(tools or "")], "messages")
     try:
-        ids = await state.encode(encode_prompt, state.tokenizer, conv.prompt)
+        ids = await state.encode(encode_prompt, state.tokenizer, prompt, tools)
         breakpoints = []
         for cut, ttl in conv.breakpoints:
-            cut_ids = await state.encode(encode_prompt, state.tokenizer, cut)
+            cut_ids = await state.encode(encode_prompt, state.tokenizer, with_tools(state, cut, functions),
+                                         tools)
             breakpoints.append((common_prefix_len(ids, cut_ids), ttl))
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -146,20 +163,26 @@ async def messages(body: A.MessagesRequest, request: Request,
     bad = A.unsupported(body)
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    ids, hints = await prompt_and_hints(state, A.conversation(body))
+    constraint = AT.constraint(body.tools, body.tool_choice)
+    ids, hints = await prompt_and_hints(state, A.conversation(body), constraint.offered)
     params = sampling(body)
+    if constraint.spec is not None:  # compiled now: a bad schema is this request's 400
+        await C.compile_for(state.engine, constraint, tenant.salt)
+        params.structured_outputs = constraint.spec
     rid = f"msg_{uuid.uuid4().hex}"
     stream = await submit(state, ids, params, rid, tenant, None, "messages", hints)
     if body.stream:
-        return stream_messages(state, body, stream, rid, tenant)
+        return stream_messages(state, body, stream, rid, tenant, constraint)
     out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
     rep = finish(state, out, ROUTE, tenant)
     stop = await matched_stop(state, body, out)
-    content = [{"type": "text", "text": out.text}]
-    msg = message_json(state, rid, content, A.stop_reason(out.finish_reason, stop), stop,
-                       usage(state, out))
+    content = AT.content(constraint, out.text)
+    reason = A.stop_reason(out.finish_reason, stop)
+    if reason == "end_turn" and any(b["type"] == "tool_use" for b in content):
+        reason = "tool_use"
+    msg = message_json(state, rid, content, reason, stop, usage(state, out))
     return JSONResponse({**msg, "hotprefix": {"cache": rep}},
                         headers={"x-hotprefix-cache": cache_header(rep)})
 
@@ -169,10 +192,51 @@ def event(kind: str, data: dict[str, Any]) -> str:
 
 
 def stream_messages(state: ServerState, body: A.MessagesRequest, stream: RequestStream, rid: str,
-                    tenant: Tenant) -> StreamingResponse:
+                    tenant: Tenant, constraint: C.Constraint | None = None) -> StreamingResponse:
     """Anthropic's events: ``message_start`` (with the prompt's usage, once it has run),
     ``content_block_start``, ``content_block_delta``..., ``content_block_stop``, ``message_delta``
-    (stop reason, final usage, the cache report), ``message_stop``; ``error`` if the engine fails."""
+    (stop reason, final usage, the cache report), ``message_stop``; ``error`` if the engine fails.
+    With tools, text that may open a call is held back until it is known (``tools.CallStream``);
+    each call is a ``tool_use`` block with one ``input_json_delta``."""
+    calls = None
+    if constraint is not None and constraint.tool_mode != "none" and constraint.functions:
+        calls = T.CallStream(constraint.functions, constraint.parallel)
+    blocks = {"next": 0, "text": None, "tools": 0}  # next index, the open text block's, tool_use count
+
+    def text_events(text: str) -> list[str]:
+        out = []
+        if blocks["text"] is None:
+            blocks["text"], blocks["next"] = blocks["next"], blocks["next"] + 1
+            out.append(event("content_block_start", {"index": blocks["text"],
+                                                     "content_block": {"type": "text", "text": ""}}))
+        if text:
+            out.append(event("content_block_delta", {"index": blocks["text"],
+                                                     "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def close_text() -> list[str]:
+        if blocks["text"] is None:
+            return []
+        i, blocks["text"] = blocks["text"], None
+        return [event("content_block_stop", {"index": i})]
+
+    def call_events(call: dict[str, Any]) -> list[str]:
+        block = AT.tool_use_block(call)
+        i, blocks["next"] = blocks["next"], blocks["next"] + 1
+        blocks["tools"] += 1
+        return close_text() + [
+            event("content_block_start", {"index": i, "content_block": {**block, "input": {}}}),
+            event("content_block_delta", {"index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
+            event("content_block_stop", {"index": i})]
+
+    def new_text(text: str, last: bool) -> list[str]:
+        if calls is None:
+            return text_events(text) if text else []
+        out = []
+        for kind, v in calls.feed(text) + (calls.end() if last else []):
+            out += text_events(v) if kind == "content" else call_events(v)
+        return out
 
     async def events() -> AsyncIterator[str]:
         started = done = False
@@ -185,18 +249,22 @@ def stream_messages(state: ServerState, body: A.MessagesRequest, stream: Request
                     started = True
                     yield event("message_start", {"message": message_json(
                         state, rid, [], None, None, usage(state, out))})
-                    yield event("content_block_start",
-                                {"index": 0, "content_block": {"type": "text", "text": ""}})
-                if out.new_text:
-                    yield event("content_block_delta",
-                                {"index": 0, "delta": {"type": "text_delta", "text": out.new_text}})
+                    if calls is None:
+                        for e in text_events(""):
+                            yield e
+                for e in new_text(out.new_text, out.finished):
+                    yield e
                 if not out.finished:
                     continue
                 done = True
                 rep = finish(state, out, ROUTE, tenant)
                 stop = await matched_stop(state, body, out)
-                yield event("content_block_stop", {"index": 0})
-                delta = {"stop_reason": A.stop_reason(out.finish_reason, stop), "stop_sequence": stop}
+                for e in close_text():
+                    yield e
+                reason = A.stop_reason(out.finish_reason, stop)
+                if reason == "end_turn" and blocks["tools"]:
+                    reason = "tool_use"
+                delta = {"stop_reason": reason, "stop_sequence": stop}
                 yield event("message_delta", {"delta": delta, "usage": usage(state, out),
                                               "hotprefix": {"cache": rep}})
                 yield event("message_stop", {})
