@@ -127,6 +127,10 @@ def _write_gguf(path, kinds: dict[str, str], seed: int = 0) -> dict[str, np.ndar
     raws = {}
 
     def matrix(name: str, kind: str, n: int, k: int, s: int):
+        if kind == "F16":  # no block kernel: dequantized, with a log line
+            raws[name] = np.random.default_rng(s).standard_normal((n, k)).astype(np.float16) * 0.05
+            w.add_tensor(name, raws[name])
+            return
         _, raw, _ = make(kind, n, k, seed=s)
         if kind == "Q5_0":  # bigger weights than make's default so the model's signal is not noise
             raw = quantize(np.random.default_rng(s).standard_normal((n, k)).astype(np.float32) * 0.3,
@@ -189,3 +193,26 @@ def test_a_k_quant_gguf_loads_in_the_gguf_mode_near_its_file_size(tmp_path):
     assert (fast - ref).abs().max() < 3e-2 * ref.abs().max(), ((fast - ref).abs().max(), ref.abs().max())
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert same_bits(run(quant, ids[:23]), fast[:23])
+
+
+def test_a_matrix_without_a_block_kernel_is_dequantized_and_logged(tmp_path, caplog):
+    """An F16 down projection beside k-quant matrices: the loader says which type has no kernel
+    and what it costs in fp32; the model multiplies it through the fp32-input GEMM, the rest on
+    their blocks."""
+    import logging
+
+    from hotprefix.model.llama import LlamaModel
+    from hotprefix.model.loader import load_model
+
+    kinds = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+             "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "F16"}
+    _write_gguf(tmp_path / "tiny-f16.gguf", kinds)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(tmp_path / "tiny-f16.gguf"))
+    assert "2 matrices stored as F16 have no block kernel" in caplog.text
+    assert "1.0 MiB as fp32" in caplog.text  # 2 x 256 x 512 x 4 bytes
+    model = LlamaModel(loaded.arch, loaded.weights, torch.device("cpu"), torch.bfloat16, "gguf", True,
+                       loaded.blocks)
+    assert model.weight_mode == "gguf" and model.quant_layers is None
+    assert isinstance(model.layers[1]["gate_up"], QuantWeight)
+    assert not isinstance(model.layers[1]["down"], QuantWeight)
