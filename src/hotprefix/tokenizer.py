@@ -1,10 +1,16 @@
 """Tokenizer, chat template and tokenizer fingerprint.
 
 Loads the tokenizer that belongs to the model (GGUF metadata, or tokenizer.json in a Hugging Face
-directory) through ``transformers``/``tokenizers``. The fingerprint covers everything that decides
-which token ids a text becomes: vocabulary, merges, normalizer and pre-tokenizer, added/special
-tokens, BOS/EOS handling and the chat template. It is part of the prefix cache's namespace, so a
-tokenizer change can never hit blocks cached under the old one.
+directory) through ``transformers``/``tokenizers``. A GGUF's SentencePiece vocabulary (Llama 2,
+Mistral, Gemma) is built by ``hotprefix.spm_vocab`` into the ``tokenizers`` library's BPE model,
+giving llama.cpp's ids; other GGUF vocabularies through transformers' GGUF support. The fingerprint
+covers everything that decides which token ids a text becomes: vocabulary, merges (for a
+SentencePiece vocabulary: its pieces, scores, token types, byte fallback and flags), normalizer and
+pre-tokenizer, added/special tokens, BOS/EOS handling and the chat template. It is part of the
+prefix cache's namespace, so a tokenizer change can never hit blocks cached under the old one.
+
+A model without a chat template (a base model) has no chat: ``render_chat`` refuses with a
+``TokenizerError`` (the server's 400) that says to send a plain prompt; no template is guessed.
 
 This module knows nothing about the model's weights or the KV cache.
 """
@@ -20,8 +26,10 @@ import shutil
 import tempfile
 from typing import Any, Sequence
 
+import numpy as np
 from transformers.utils import logging as hf_logging
 
+from hotprefix import spm_vocab
 from hotprefix.cachedir import cache_dir
 
 log = logging.getLogger(__name__)
@@ -38,8 +46,100 @@ def _quiet_hf() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<|end|>", "<end_of_turn>")
+"""Tokens that end generation beside the file's EOS wherever the vocabulary has them (llama.cpp's
+end-of-generation set names the same ones)."""
+
+
+def _spm_merges(vocab: spm_vocab.SpmVocab, digest: str) -> list[tuple[str, str]]:
+    """The vocabulary's merges, derived once (2 s for 262k pieces) and kept under the cache
+    directory as id pairs keyed by the vocabulary's digest (so every file with this vocabulary
+    shares them, and a changed vocabulary never reads another's). An entry that is unreadable or
+    fails its checksum is rebuilt; one that cannot be written is passed over."""
+    saved = cache_dir("tokenizers") / f"spm-{digest[:32]}.npz"
+    tokens = np.array(vocab.tokens, dtype=object)
+    try:
+        with np.load(saved) as z:
+            pairs, check = z["pairs"], bytes(z["sha256"])
+        if (check == hashlib.sha256(pairs.tobytes()).digest() and pairs.ndim == 2
+                and pairs.shape[1] == 2 and (pairs.size == 0 or int(pairs.max()) < len(tokens))):
+            return list(zip(tokens[pairs[:, 0]].tolist(), tokens[pairs[:, 1]].tolist()))
+        log.warning("cached merges %s fail their checksum: rebuilt", saved)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a damaged entry: rebuilt below
+        log.warning("cached merges %s unreadable (%s): rebuilt", saved, e)
+    merges = spm_vocab.merges(vocab)
+    ids = {t: i for i, t in enumerate(vocab.tokens)}
+    pairs = np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
+    tmp = None
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=saved.parent, suffix=".npz")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, pairs=pairs, sha256=np.frombuffer(hashlib.sha256(pairs.tobytes()).digest(),
+                                                          dtype=np.uint8))
+        os.replace(tmp, saved)  # whole or not at all
+        tmp = None
+    except Exception as e:  # not writable, disk full
+        log.info("merges not cached (%s)", e)
+    finally:
+        if tmp is not None:
+            os.unlink(tmp)
+    return merges
+
+
+@functools.cache
+def _spm_class() -> type:
+    from transformers import PreTrainedTokenizerFast
+
+    class SpmGgufTokenizer(PreTrainedTokenizerFast):
+        """transformers' tokenizer interface over a ``tokenizers.Tokenizer`` that ``spm_vocab``
+        built (handed over as model tokenizers do theirs: ``tokenizer_object=`` would copy it
+        through JSON, 3 s for 262k pieces)."""
+
+        def __init__(self, backend: Any, vocab: spm_vocab.SpmVocab, digest: str):
+            self._tokenizer = backend
+            name = lambda i: vocab.tokens[i] if i is not None else None  # noqa: E731
+            super().__init__(bos_token=name(vocab.bos_id), eos_token=name(vocab.eos_id),
+                             unk_token=name(vocab.unk_id), pad_token=name(vocab.pad_id),
+                             clean_up_tokenization_spaces=False)
+            self._add_bos_token, self._add_eos_token = vocab.add_bos, vocab.add_eos
+            if vocab.chat_template:
+                self.chat_template = vocab.chat_template
+            self.hotprefix_vocab_digest = digest
+            """Fingerprinted instead of the 30 MB tokenizer JSON (it decides all of it)."""
+            self.hotprefix_strips_space_prefix = vocab.add_space_prefix
+            """``Tokenizer.decode`` removes the space ``add_space_prefix`` put before the text."""
+            self.hotprefix_control_ids = frozenset(
+                np.nonzero(vocab.types == spm_vocab.CONTROL)[0].tolist())
+            """Only these may end a turn (Gemma's ``</s>`` is an HTML tag, not an EOS)."""
+            self.hotprefix_max_token_bytes = vocab.max_text_bytes()
+
+    return SpmGgufTokenizer
+
+
+def _spm_tokenizer(vocab: spm_vocab.SpmVocab) -> Any:
+    digest = vocab.digest()
+    return _spm_class()(spm_vocab.build(vocab, _spm_merges(vocab, digest)), vocab, digest)
+
+
 def _gguf_tokenizer(path: str) -> Any:
-    """A GGUF file's tokenizer. transformers builds it from the file's metadata in seconds (every
+    """A GGUF file's tokenizer: a SentencePiece vocabulary built here (``spm_vocab``), any other
+    one by transformers. A SentencePiece vocabulary this module cannot build exactly (duplicate
+    pieces, ``remove_extra_whitespaces``) is logged and left to transformers too."""
+    try:
+        vocab = spm_vocab.vocab_from_metadata(spm_vocab.read_metadata(path))
+    except spm_vocab.VocabError as e:
+        log.warning("%s: %s; its tokenizer is built by transformers", path, e)
+        vocab = None
+    if vocab is not None:
+        return _spm_tokenizer(vocab)
+    return _transformers_gguf_tokenizer(path)
+
+
+def _transformers_gguf_tokenizer(path: str) -> Any:
+    """A GGUF file's tokenizer by transformers. transformers builds it from the file's metadata in seconds (every
     token and merge parsed in Python), so the result is saved once per file under the cache
     directory (keyed by the file's path, size and modification time and the transformers version)
     and loaded from there afterwards, in a fraction of a second. A cache that cannot be written or
@@ -84,15 +184,18 @@ class Tokenizer:
         eos = set()
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
-        for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<|end|>"):
+        control = getattr(hf_tokenizer, "hotprefix_control_ids", None)
+        for name in END_OF_TURN_NAMES:
             tid = hf_tokenizer.convert_tokens_to_ids(name)
-            if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id and tid >= 0:
+            if isinstance(tid, int) and tid != hf_tokenizer.unk_token_id and tid >= 0 and (
+                    control is None or tid in control):
                 eos.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._strips_space_prefix = bool(getattr(hf_tokenizer, "hotprefix_strips_space_prefix", False))
         self.fingerprint = self._fingerprint()
-        vocab = hf_tokenizer.get_vocab()
-        self.max_token_bytes = max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab),
-                                   default=1)
+        self.max_token_bytes = getattr(hf_tokenizer, "hotprefix_max_token_bytes", None) or max(
+            (len(piece.encode("utf-8", "surrogatepass")) for piece in hf_tokenizer.get_vocab()),
+            default=1)
         """Most UTF-8 bytes of text one token can stand for (an upper bound: byte-level pieces are
         spelled with 1-2 byte characters). Text longer than ``n * max_token_bytes`` bytes cannot
         fit in ``n`` tokens, so it can be refused without tokenizing it."""
@@ -147,8 +250,20 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
+               continuation: bool = False) -> str:
+        """The text of ``token_ids``.
+
+        Args:
+            skip_special_tokens: leave control tokens (BOS, EOS, turn markers) out of the text.
+            continuation: the ids follow other text (a model's output after its prompt): the
+                space a SentencePiece ``add_space_prefix`` vocabulary puts before a text's first
+                word is text here, not removed as at the start of a text. No effect otherwise.
+        """
+        text = self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self._strips_space_prefix and not continuation and text.startswith(" "):
+            text = text[1:]
+        return text
 
     @functools.cached_property
     def skipped_token_ids(self) -> frozenset[int]:
@@ -163,7 +278,10 @@ class Tokenizer:
         """The chat template applied to OpenAI-style messages (and ``tools``, for a template that
         renders them: ``renders_tools``), as text."""
         if not self.chat_template:
-            raise TokenizerError("this model's tokenizer has no chat template; use a plain prompt")
+            raise TokenizerError(
+                "this model has no chat template (a base model, or a file that carries none), so it "
+                "has no chat: send the text as a plain prompt (/v1/completions, LLM.generate, "
+                "`hotprefix generate --raw`), or load a tokenizer that has a template (--tokenizer)")
         try:
             return self._tok.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                  add_generation_prompt=add_generation_prompt)
@@ -191,7 +309,10 @@ class Tokenizer:
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
         backend = getattr(self._tok, "backend_tokenizer", None)
-        if backend is not None:
+        digest = getattr(self._tok, "hotprefix_vocab_digest", None)
+        if digest is not None:  # a SentencePiece GGUF vocabulary: what its tokenizer is built from
+            h.update(f"spm-gguf\0{digest}\0".encode())
+        elif backend is not None:
             h.update(backend.to_str().encode())
         else:  # slow tokenizer: vocab is the best we have
             h.update(json.dumps(sorted(self._tok.get_vocab().items())).encode())

@@ -14,8 +14,12 @@ it, so one spanning two tokens is found, and the text is cut before the first on
 search of the whole text would cut it. While streaming, a suffix that could still grow into a stop
 string is held back, so a stream never shows part of a stop string.
 
-The final text equals ``tokenizer.decode(output_ids)`` (without the stop token, cut before a stop
-string), including a trailing incomplete character if generation ends inside one.
+The final text equals ``tokenizer.decode(output_ids, continuation=True)`` (without the stop token,
+cut before a stop string), including a trailing incomplete character if generation ends inside one.
+Output continues its prompt, so a SentencePiece vocabulary's first ``▁`` is a space here, as in
+llama.cpp's and vLLM's output (``decode`` alone removes it as the prefix space of a text); for other
+tokenizers the two decodes are the same. Byte-fallback pieces (``<0xE6><0x97><0xA5>``) are a
+character split across tokens like any other: held back until whole.
 
 This module knows nothing about scheduling, the KV cache or HTTP; the engine keeps one instance per
 request id.
@@ -23,6 +27,7 @@ request id.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 from hotprefix.tokenizer import Tokenizer
@@ -86,7 +91,7 @@ class IncrementalDetokenizer:
                 self._ids.append(t)
         if len(self._ids) == self._read_offset:
             return False
-        decode = self._tokenizer.decode
+        decode = functools.partial(self._tokenizer.decode, continuation=True)
         if self._prefix_text is None:
             self._prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
         window = decode(self._ids[self._prefix_offset:])
