@@ -10,10 +10,12 @@ outputs for the kernel. No value is re-quantized or rounded:
 - Q4_K: 4-bit ``q``; per 32 inputs the 6-bit ``sc`` and ``mn`` of the file, per 256 its fp16 ``d``
   and ``dmin``, so ``D = d * sc`` and ``M = -dmin * mn`` are the file's own fp32 products;
 - Q5_K: the same with int8 ``q`` (0..31);
-- Q6_K: int8 ``q - 32``, one int8 scale per 16 inputs (two per 32-block) and an fp16 ``d``.
+- Q6_K: ``q - 32`` as 4-bit low nibbles and a plane of their two top bits, one int8 scale per 16
+  inputs (two per 32-block) and an fp16 ``d``.
 
-The bytes held are near the file's: 0.58 a weight for Q4_K (the file: 0.5625), 1.08 for Q5_K and
-Q6_K (0.69 and 0.82), 0.6875 for Q5_0 (the file's), 1.125 for Q8_0 (1.06), 0.625 for Q4_0 / Q4_1.
+The bytes held are near the file's: 0.58 a weight for Q4_K (the file: 0.5625), 0.83 for Q6_K
+(0.82), 0.6875 for Q5_0 (the file's), 1.125 for Q8_0 (1.06), 0.625 for Q4_0 / Q4_1; Q5_K, held as
+int8 values, 1.08 (0.69).
 A stack of tensors (Q/K/V, gate/up) keeps each group's own format; a group that holds rows of two
 types is packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the
 model then multiplies that stack in fp32).
@@ -121,7 +123,7 @@ def group_bytes(fmt: int, nb: int) -> int:
     """Bytes of one group of 16 outputs over ``nb`` blocks (``qgemm.c``'s ``qg_group_bytes``)."""
     if fmt == QF_Q5:
         return nb * (256 + 64 + 32)
-    qbytes = 256 if fmt in (QF_Q4, QF_K4) else 512
+    qbytes = 256 if fmt in (QF_Q4, QF_K4) else 384 if fmt == QF_K6 else 512
     return nb * (qbytes + 64) if fmt in LOCAL else nb // 8 * (8 * (qbytes + 32) + 64)
 
 
@@ -160,6 +162,17 @@ def _fifth_bits(u: np.ndarray, groups: int) -> np.ndarray:
     return planes.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 64)  # [g, nb, plane, lane, e]
 
 
+def _top_two_bits(u: np.ndarray, groups: int) -> np.ndarray:
+    """Bits 4-5 of u [n, nb, 32] -> the planes [groups, nb, 128]: byte 2 lane + e of plane j / 2
+    holds input 2 j + e's in bits 4 (j % 2) + 0-1 and input 2 j + 16 + e's in bits 4 (j % 2) + 2-3."""
+    t = (_pad(u, groups) >> 4).astype(np.uint8)
+    nb = t.shape[1]
+    t = t.reshape(groups, LANES, nb, 2, 4, 2, 2)  # [g, lane, nb, hi, plane, j % 2, e]
+    shift = (4 * np.arange(2, dtype=np.uint8)[None, :] + 2 * np.arange(2, dtype=np.uint8)[:, None])  # [hi, j%2]
+    planes = (t << shift[None, None, None, :, None, :, None]).sum(axis=(3, 5), dtype=np.uint8)
+    return planes.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 128)  # [g, nb, plane, lane, e]
+
+
 def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
     """One format's fields for ``groups`` groups -> bytes [groups, group_bytes]."""
     if fmt == QF_Q5:
@@ -167,8 +180,11 @@ def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
         out = np.concatenate([_values(u & 0x0F, 4, groups), _fifth_bits(u, groups),
                               _lanes(fields[1].astype(np.float16), groups)], axis=-1)
         return out.reshape(groups, -1)
-    bits = 4 if fmt in (QF_Q4, QF_K4) else 8
-    vals = _values(fields[0], bits, groups)
+    if fmt == QF_K6:
+        u = fields[0].astype(np.int16) + 32  # 0..63
+        vals = np.concatenate([_values(u & 0x0F, 4, groups), _top_two_bits(u, groups)], axis=-1)
+    else:
+        vals = _values(fields[0], 4 if fmt in (QF_Q4, QF_K4) else 8, groups)
     if fmt in LOCAL:
         _, d, m = fields
         out = np.concatenate([vals, _lanes(d.astype(np.float16), groups),
@@ -227,7 +243,8 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
     for g in range(groups):
         fmt, off = int(head[g] & 15), int(head[g] >> 4)
         raw = buf[off:off + group_bytes(fmt, nb)]
-        bits, qbytes = (4, 256) if fmt in (QF_Q4, QF_K4, QF_Q5) else (8, 512)
+        bits = 4 if fmt in (QF_Q4, QF_K4, QF_Q5, QF_K6) else 8
+        qbytes = {QF_Q4: 256, QF_K4: 256, QF_K6: 384}.get(fmt, 512)
         if fmt == QF_Q5:
             blk = raw.reshape(nb, 352)
             dlo = dhi = blk[:, 320:].copy().view(np.float16).astype(np.float32)  # [nb, lane]
@@ -245,7 +262,7 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
             dlo = dd[:, :16] * sc[:, :16]
             dhi = dd[:, :16] * sc[:, 16:] if fmt == QF_K6 else dlo
             m = np.zeros_like(dlo) if fmt == QF_K6 else dd[:, 16:] * sc[:, 16:]
-        v = blk[:, :qbytes]
+        v = blk[:, :256 if bits == 4 else 512]
         if bits == 4:
             t = v.reshape(nb, 8, LANES, 2)
             q = np.stack([t & 0x0F, t >> 4], -1).transpose(2, 0, 4, 1, 3)  # [lane, nb, hi, j, e]
@@ -257,6 +274,11 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
             sh = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)  # [hi, j % 4]
             h = (p[:, None, :, None, :, :] >> sh[None, :, None, :, None, None]) & 1  # [nb, hi, pl, j%4, lane, e]
             q = q + 16 * h.transpose(4, 0, 1, 2, 3, 5).reshape(LANES, nb, BLOCK).astype(np.float32) - 16
+        if fmt == QF_K6:  # the top two bits: plane j // 2, bits 4 (j % 2) + 2 hi, byte 2 lane + e
+            p = blk[:, 256:384].reshape(nb, 4, LANES, 2)  # [nb, plane, lane, e]
+            sh = (4 * np.arange(2)[None, :] + 2 * np.arange(2)[:, None]).astype(np.uint8)  # [hi, j % 2]
+            h = (p[:, None, :, None, :, :] >> sh[None, :, None, :, None, None]) & 3  # [nb, hi, pl, j%2, lane, e]
+            q = q + 16 * h.transpose(4, 0, 1, 2, 3, 5).reshape(LANES, nb, BLOCK).astype(np.float32) - 32
         scale = np.concatenate([np.repeat(dlo.T[..., None], 16, -1),
                                 np.repeat(dhi.T[..., None], 16, -1)], -1)  # [lane, nb, 32]
         w = scale * q

@@ -24,8 +24,10 @@
  *          sc, 16 int8 mn], then 16 fp16 d and 16 fp16 -dmin: D = d * sc, M = -dmin * mn
  *          (exact in fp32: the file's own values);
  *   QF_K5  Q5_K: the same with 512 bytes of int8 q (0..31);
- *   QF_K6  Q6_K: 512 bytes of int8 q - 32, 16 int8 scales of inputs 0-15 and 16 of inputs 16-31,
- *          then 16 fp16 d (and 32 unused bytes): D_lo = d * sc_lo, D_hi = d * sc_hi.
+ *   QF_K6  Q6_K: q - 32 as 256 bytes of low nibbles and 128 of their top two bits (byte p of
+ *          32-byte plane j / 2 holds chunk j's byte p's in bits 4 (j % 2) + 2 hi and the next),
+ *          16 int8 scales of inputs 0-15 and 16 of inputs 16-31, then per super-block 16 fp16 d
+ *          (and 32 unused bytes): D_lo = d * sc_lo, D_hi = d * sc_hi.
  * In the 4-bit layouts byte p of chunk j (j < 8) holds, for lane p / 2, the value of input
  * 2j + p % 2 in its low nibble and of input 2j + 16 + p % 2 in its high nibble; in the 8-bit ones
  * byte p of chunk j (j < 16) is input 2j + p % 2 of lane p / 2.
@@ -194,8 +196,10 @@ void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *s
 /* ------------------------------------------------------------------ the weight layout */
 enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_Q5 = 5, QF_FORMATS };
 
-static inline int fmt_bits(int f) { return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 ? 5 : 8; }
-static inline int64_t fmt_qbytes(int f) { return f == QF_Q5 ? 320 : fmt_bits(f) == 4 ? 256 : 512; }
+static inline int fmt_bits(int f) {
+    return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 ? 5 : f == QF_K6 ? 6 : 8;
+}
+static inline int64_t fmt_qbytes(int f) { return (int64_t[]){256, 512, 256, 512, 384, 320}[f]; }
 /* scales of each block in the block itself (fp16 D and M; Q5_0: D only), not per super-block */
 static inline int fmt_local(int f) { return f == QF_Q4 || f == QF_Q8 || f == QF_Q5; }
 static inline int64_t fmt_scales(int f) { return f == QF_Q5 ? 32 : 64; }
@@ -235,6 +239,7 @@ static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
     const uint8_t byte = blk[32 * j + 2 * l + e];
     const int q = hi ? byte >> 4 : byte & 0x0f;
     if (bits == 4) return q;
+    if (bits == 6) return q + 16 * ((blk[256 + 32 * (j / 2) + 2 * l + e] >> (4 * (j % 2) + 2 * hi)) & 3) - 32;
     return q + 16 * ((blk[256 + 32 * (j / 4) + 2 * l + e] >> (2 * (j % 4) + hi)) & 1) - 16;
 }
 
@@ -300,7 +305,7 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     const __m512i low4 = _mm512_set1_epi16(0x0f);
     /* one row alone waits on its accumulators' latency: give it four chains; many rows have
      * enough chains between them (and registers for no more) */
-    const int chains = nr == 1 ? 4 : nr == 2 ? 2 : 1;
+    const int chains = f == QF_K6 ? 2 : nr == 1 ? 4 : nr == 2 ? 2 : 1; /* Q6_K: inputs 0-15, 16-31 */
     __m512 acc[QG_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -324,6 +329,14 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
                     wl = _mm512_mask_sub_epi16(wl, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(1 << (2 * (j % 4)))), wl, s16);
                     wh = _mm512_mask_sub_epi16(wh, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(2 << (2 * (j % 4)))), wh, s16);
                 }
+                if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 2))));
+                    const __m512i three = _mm512_set1_epi16(3), n32 = _mm512_set1_epi16(32);
+                    const __m512i tl = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(4 * (j % 2))), three);
+                    const __m512i th = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(4 * (j % 2) + 2)), three);
+                    wl = _mm512_sub_epi16(_mm512_add_epi16(wl, _mm512_slli_epi16(tl, 4)), n32);
+                    wh = _mm512_sub_epi16(_mm512_add_epi16(wh, _mm512_slli_epi16(th, 4)), n32);
+                }
                 const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
                 for (int r = 0; r < nr; r++) {
                     const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
@@ -336,12 +349,6 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             }
         } else {
             for (int j = 0; j < 16; j++) {
-                if (f == QF_K6 && j == 8) /* Q6_K: inputs 0-15 summed apart from 16-31 */
-                    for (int r = 0; r < nr; r++) {
-                        lo[r] = s[r][0];
-                        for (int c = 1; c < chains; c++) lo[r] = _mm512_add_epi32(lo[r], s[r][c]);
-                        for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
-                    }
                 __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
                 const int c = j % chains;
                 for (int r = 0; r < nr; r++) {
@@ -353,6 +360,11 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
         }
         __m512i t[QG_ROWS];
         for (int r = 0; r < nr; r++) {
+            if (f == QF_K6) { /* the two halves' sums, apart */
+                lo[r] = s[r][0];
+                t[r] = s[r][1];
+                continue;
+            }
             t[r] = s[r][0];
             for (int c = 1; c < chains; c++) t[r] = _mm512_add_epi32(t[r], s[r][c]);
         }
@@ -425,6 +437,7 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
     const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
     const __m256i low4 = _mm256_set1_epi16(0x0f);
     __m256 acc[QG_ROWS_AVX2][2], lo[QG_ROWS_AVX2][2];
+    __m256i u0[QG_ROWS_AVX2], u1[QG_ROWS_AVX2]; /* Q6_K: the sums of inputs 16-31, apart */
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = block_at(wg, f, b);
@@ -433,7 +446,7 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
             for (int64_t off = 0; off < qbytes + fmt_scales(f); off += 64)
                 _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
         __m256i s0[QG_ROWS_AVX2], s1[QG_ROWS_AVX2];
-        for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int r = 0; r < nr; r++) s0[r] = s1[r] = u0[r] = u1[r] = _mm256_setzero_si256();
         if (bits != 8) {
             for (int j = 0; j < 8; j++) {
                 const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
@@ -454,23 +467,44 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
                     QG_Q5(hi1, h1, mh);
 #undef QG_Q5
                 }
+                if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
+                    const uint8_t *pl = blk + 256 + 32 * (j / 2);
+                    const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
+                    const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
+                    const __m128i cl = _mm_cvtsi32_si128(4 * (j % 2)), ch = _mm_cvtsi32_si128(4 * (j % 2) + 2);
+                    const __m256i three = _mm256_set1_epi16(3), n32 = _mm256_set1_epi16(32);
+#define QG_Q6(v, h, c) v = _mm256_sub_epi16(_mm256_add_epi16(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, c), three), 4)), n32)
+                    QG_Q6(lo0, h0, cl);
+                    QG_Q6(hi0, h0, ch);
+                    QG_Q6(lo1, h1, cl);
+                    QG_Q6(hi1, h1, ch);
+#undef QG_Q6
+                }
                 for (int r = 0; r < nr; r++) {
                     int32_t p0, p1;
                     memcpy(&p0, ab + r * k + 2 * j, 4);
                     memcpy(&p1, ab + r * k + 2 * j + 16, 4);
                     const __m256i a0 = _mm256_set1_epi32(p0), a1 = _mm256_set1_epi32(p1);
-                    s0[r] = QG_DOT(QG_DOT(s0[r], lo0, a0), hi0, a1);
-                    s1[r] = QG_DOT(QG_DOT(s1[r], lo1, a0), hi1, a1);
+                    if (f == QF_K6) {
+                        s0[r] = QG_DOT(s0[r], lo0, a0);
+                        u0[r] = QG_DOT(u0[r], hi0, a1);
+                        s1[r] = QG_DOT(s1[r], lo1, a0);
+                        u1[r] = QG_DOT(u1[r], hi1, a1);
+                    } else {
+                        s0[r] = QG_DOT(QG_DOT(s0[r], lo0, a0), hi0, a1);
+                        s1[r] = QG_DOT(QG_DOT(s1[r], lo1, a0), hi1, a1);
+                    }
                 }
             }
+            if (f == QF_K6)
+                for (int r = 0; r < nr; r++) {
+                    lo[r][0] = _mm256_cvtepi32_ps(s0[r]);
+                    lo[r][1] = _mm256_cvtepi32_ps(s1[r]);
+                    s0[r] = u0[r];
+                    s1[r] = u1[r];
+                }
         } else {
             for (int j = 0; j < 16; j++) {
-                if (f == QF_K6 && j == 8) /* Q6_K: inputs 0-15 summed apart from 16-31 */
-                    for (int r = 0; r < nr; r++) {
-                        lo[r][0] = _mm256_cvtepi32_ps(s0[r]);
-                        lo[r][1] = _mm256_cvtepi32_ps(s1[r]);
-                        s0[r] = s1[r] = _mm256_setzero_si256();
-                    }
                 const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
                 const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
                 for (int r = 0; r < nr; r++) {
@@ -545,8 +579,9 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
 static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
                        int lanes, int fetch) {
-    for (int r0 = 0; r0 < nr; r0 += QG_ROWS_AVX2) { /* the tile in passes of up to 4 rows */
-        const int n = nr - r0 < QG_ROWS_AVX2 ? nr - r0 : QG_ROWS_AVX2;
+    const int pass = f == QF_K6 ? 2 : QG_ROWS_AVX2; /* Q6_K keeps twice the sums a row */
+    for (int r0 = 0; r0 < nr; r0 += pass) { /* the tile in passes of up to 4 rows */
+        const int n = nr - r0 < pass ? nr - r0 : pass;
         const int16_t *q = qa + r0 * k;
         const float *a = sa + r0 * nb, *s = sq + r0 * nb;
         float *out = y + r0 * ldy;
