@@ -1,12 +1,13 @@
-"""A fleet on the Mooncake conversation trace (issue 14): 4 replicas of 3M tokens behind prefix
+"""A fleet on the Mooncake conversation trace (issues 14, 31): 4 replicas of 3M tokens behind prefix
 routing vs round-robin vs least-loaded, one 12M-token cache, and prefix routing with 10% of the
 KV events dropped (and with none at all: the router's memory of its own decisions only).
 
 Every replica is the engine's own cache code (``hotprefix simulate --replicas``: KVCacheManager,
 BlockPool, the default eviction policy); every request is routed by ``hotprefix.router.Router``;
 with prefix routing the replicas' pools publish KV events (``hotprefix.events.recorder``) that the
-router's index reads after each request. Load is each replica's outstanding prefill work, worked
-off at a speed at which the fleet would be 80% busy with no cache hits.
+router's index reads after each request. Load is each replica's outstanding work in seconds
+(the routing core's own cost model), worked off at a prefill speed at which the fleet would be 80%
+busy with no cache hits; each request's modelled TTFT is the work ahead of it plus its own prefill.
 
 Prints a markdown table and the targets, and writes results/fleet.json. Run from the repository
 root: ``.venv/bin/python benchmarks/bench_fleet.py`` (about 18 minutes at 16-token blocks;
@@ -23,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from hotprefix.router import RouterConfig  # noqa: E402
 from hotprefix.simulate.fleet import replay_fleet  # noqa: E402
 from hotprefix.simulate.replay import default_policy, replay  # noqa: E402
 from hotprefix.simulate.traces import load_trace  # noqa: E402
@@ -44,21 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rows: dict[str, dict] = {}
 
-    def fleet(name: str, router: str, drop: float = 0.0) -> None:
-        res = replay_fleet(reqs, REPLICAS, CAPACITY, router, policy, bs, drop_events=drop)
+    def fleet(name: str, router: str, drop: float = 0.0, config: RouterConfig | None = None) -> None:
+        res = replay_fleet(reqs, REPLICAS, CAPACITY, router, policy, bs, drop_events=drop,
+                           router_config=config)
         rows[name] = res.to_json()
-        common.log(f"  {name}: {res.block_hit_ratio:.4f}, imbalance {res.load_imbalance:.3f} "
-                   f"({res.seconds:.0f}s)")
+        t = res.ttft()
+        common.log(f"  {name}: {res.block_hit_ratio:.4f}, imbalance {res.load_imbalance:.3f}, "
+                   f"modelled TTFT mean {t['mean']:.3f}s p90 {t['p90']:.3f}s ({res.seconds:.0f}s)")
 
     fleet("round_robin", "round_robin")
     fleet("least_loaded", "least_loaded")
     fleet("prefix", "prefix")
     fleet("prefix, 10% of events dropped", "prefix", 0.1)
     fleet("prefix, no events (own decisions only)", "prefix", 1.0)
+    fleet("prefix, w = 1 (each request's own TTFT only)", "prefix", config=RouterConfig(prefill_weight=1.0))
     for pol in dict.fromkeys((policy, "lru")):
         one = replay(reqs, REPLICAS * CAPACITY, pol, bs)
         rows[f"one cache of {REPLICAS * CAPACITY // 10**6}M ({pol})"] = {
             "block_hit_ratio": round(one.block_hit_ratio, 6), "load_imbalance": None,
+            "modelled_ttft_s": None,
             "policy": pol, "seconds": round(one.seconds, 3)}
         common.log(f"  one cache ({pol}): {one.block_hit_ratio:.4f} ({one.seconds:.0f}s)")
 
@@ -66,17 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     rr, px = rows["round_robin"], rows["prefix"]
     drop = rows["prefix, 10% of events dropped"]
     print(f"| {REPLICAS} replicas x {CAPACITY // 10**6}M tokens ({policy}, {bs}-token blocks) "
-          f"| block hit ratio | load imbalance (max/mean computed) | vs round-robin |")
-    print("|---|---|---|---|")
+          f"| block hit ratio | load imbalance (max/mean computed) | vs round-robin "
+          f"| modelled TTFT mean / p90 s |")
+    print("|---|---|---|---|---|")
     for name, r in rows.items():
         imb = "" if r["load_imbalance"] is None else f"{r['load_imbalance']:.3f}"
+        t = r["modelled_ttft_s"]
+        ttft = "" if t is None else f"{t['mean']:.3f} / {t['p90']:.3f}"
         print(f"| {name} | {r['block_hit_ratio']:.4f} | {imb} | "
-              f"{r['block_hit_ratio'] / rr['block_hit_ratio']:.2f}x |")
+              f"{r['block_hit_ratio'] / rr['block_hit_ratio']:.2f}x | {ttft} |")
     targets = {
         "prefix >= 2x round_robin": px["block_hit_ratio"] >= 2 * rr["block_hit_ratio"],
         f"prefix >= 0.95x one cache ({policy})": px["block_hit_ratio"] >= 0.95 * single,
         "prefix load imbalance <= 1.2": px["load_imbalance"] <= 1.2,
         "10% dropped within 5% of prefix": drop["block_hit_ratio"] >= 0.95 * px["block_hit_ratio"],
+        "prefix modelled mean TTFT <= round_robin's": (px["modelled_ttft_s"]["mean"]
+                                                      <= rr["modelled_ttft_s"]["mean"]),
     }
     print()
     print(f"prefix / one cache = {px['block_hit_ratio'] / single:.3f}; prefix / round-robin = "
