@@ -431,3 +431,68 @@ def test_gemma3_ids_equal_llama_tokenize(gemma, tmp_path):
     assert len(per_text) == len(GEMMA_TEXTS)
     for text, want in zip(GEMMA_TEXTS, per_text):
         assert tok.encode(text, add_special_tokens=False) == want, text
+
+
+# --------------------------------------------------------------------------- serving a base model
+
+def _tiny_llama_dir(d: Path, vocab_size: int) -> str:
+    """A 2-layer random Llama whose vocabulary is the tiny SentencePiece model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter, nh, nkv, layers = 32, 64, 4, 2, 2
+    cfg = dict(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=nh,
+               num_key_value_heads=nkv, max_position_embeddings=512, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=True, model_type="llama",
+               vocab_size=vocab_size, architectures=["LlamaForCausalLM"])
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    hd = h // nh
+    w = {"model.embed_tokens.weight": torch.randn(vocab_size, h, generator=g) * 0.5,
+         "model.norm.weight": torch.ones(h)}
+    shapes = {"self_attn.q_proj": (nh * hd, h), "self_attn.k_proj": (nkv * hd, h),
+              "self_attn.v_proj": (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
+              "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        for name, shape in shapes.items():
+            w[p + name + ".weight"] = torch.randn(*shape, generator=g) * 0.2
+    save_file({k: v.clone() for k, v in w.items()}, str(d / "model.safetensors"))
+    return str(d)
+
+
+def test_server_base_model_chat_is_a_400_and_completions_work(tiny, tmp_path):
+    """No chat template: /v1/chat/completions refuses with a 400 that says what to send instead
+    (never a 500, no template guessed); /v1/completions generates, streamed or not, and its text
+    is the decode of its tokens."""
+    import httpx
+
+    from hotprefix.config import EngineConfig
+    from server_support import LiveServer
+
+    style, sp, path, tok = tiny
+    if style != "gemma":
+        pytest.skip("one vocabulary style is enough for the server")
+    model = _tiny_llama_dir(tmp_path / "model", sp.vocab_size())
+    tok.save_json(os.path.join(model, "tokenizer.json"))  # the directory needs one; the GGUF's is used
+    cfg = EngineConfig.from_options(model=model, tokenizer=path, kv_cache_memory="16MiB", num_threads=1)
+    with LiveServer(cfg) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={"model": srv.model, "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400, r.text
+        assert "no chat template" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"model": srv.model, "prompt": "hello  world 東京",
+                                              "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(tok.encode("hello  world 東京"))
+        assert body["usage"]["completion_tokens"] >= 1 and isinstance(body["choices"][0]["text"], str)
+        with http.stream("POST", "/v1/completions", json={"model": srv.model, "prompt": "hello  world 東京",
+                                                          "max_tokens": 6, "temperature": 0,
+                                                          "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        assert streamed == body["choices"][0]["text"]
