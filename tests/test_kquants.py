@@ -62,7 +62,7 @@ def test_repacked_blocks_hold_ggufs_own_weights(kind):
     assert w.nbytes == 3 * (8 + group_bytes(fmt, 16)) == 3 * (8 + LIB.qg_group_bytes(fmt, 16))
     per_weight = (w.nbytes / 3) / (16 * 512)
     file_per_weight = raw.nbytes / (40 * 512)
-    assert per_weight <= {"Q5_0": 1.01, "Q4_K": 1.04, "Q5_K": 1.89, "Q6_K": 1.02}[kind] * file_per_weight
+    assert per_weight <= {"Q5_0": 1.01, "Q4_K": 1.04, "Q5_K": 1.03, "Q6_K": 1.02}[kind] * file_per_weight
     assert same_bits(w.dequantize(), deq)
     ids = torch.tensor([[39, 0, 17], [16, 31, 5]])
     assert same_bits(BlockRows(LIB, w)[ids], deq[ids])

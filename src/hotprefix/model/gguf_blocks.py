@@ -9,13 +9,13 @@ outputs for the kernel. No value is re-quantized or rounded:
 - Q5_0: ``q - 16`` as 4-bit low nibbles and a plane of fifth bits, with fp16 ``D`` (``M = 0``);
 - Q4_K: 4-bit ``q``; per 32 inputs the 6-bit ``sc`` and ``mn`` of the file, per 256 its fp16 ``d``
   and ``dmin``, so ``D = d * sc`` and ``M = -dmin * mn`` are the file's own fp32 products;
-- Q5_K: the same with int8 ``q`` (0..31);
+- Q5_K: the same with ``q`` (0..31) as Q5_0's nibbles and fifth bits;
 - Q6_K: ``q - 32`` as 4-bit low nibbles and a plane of their two top bits, one int8 scale per 16
   inputs (two per 32-block) and an fp16 ``d``.
 
 The bytes held are near the file's: 0.58 a weight for Q4_K (the file: 0.5625), 0.83 for Q6_K
-(0.82), 0.6875 for Q5_0 (the file's), 1.125 for Q8_0 (1.06), 0.625 for Q4_0 / Q4_1; Q5_K, held as
-int8 values, 1.08 (0.69).
+(0.82), 0.70 for Q5_K (0.69), 0.6875 for Q5_0 (the file's), 1.125 for Q8_0 (1.06), 0.625 for
+Q4_0 / Q4_1.
 A stack of tensors (Q/K/V, gate/up) keeps each group's own format; a group that holds rows of two
 types is packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the
 model then multiplies that stack in fp32).
@@ -123,7 +123,7 @@ def group_bytes(fmt: int, nb: int) -> int:
     """Bytes of one group of 16 outputs over ``nb`` blocks (``qgemm.c``'s ``qg_group_bytes``)."""
     if fmt == QF_Q5:
         return nb * (256 + 64 + 32)
-    qbytes = 256 if fmt in (QF_Q4, QF_K4) else 384 if fmt == QF_K6 else 512
+    qbytes = {QF_Q4: 256, QF_K4: 256, QF_K5: 320, QF_K6: 384}.get(fmt, 512)
     return nb * (qbytes + 64) if fmt in LOCAL else nb // 8 * (8 * (qbytes + 32) + 64)
 
 
@@ -183,6 +183,9 @@ def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
     if fmt == QF_K6:
         u = fields[0].astype(np.int16) + 32  # 0..63
         vals = np.concatenate([_values(u & 0x0F, 4, groups), _top_two_bits(u, groups)], axis=-1)
+    elif fmt == QF_K5:
+        u = fields[0].astype(np.int16)  # 0..31
+        vals = np.concatenate([_values(u & 0x0F, 4, groups), _fifth_bits(u, groups)], axis=-1)
     else:
         vals = _values(fields[0], 4 if fmt in (QF_Q4, QF_K4) else 8, groups)
     if fmt in LOCAL:
@@ -243,8 +246,8 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
     for g in range(groups):
         fmt, off = int(head[g] & 15), int(head[g] >> 4)
         raw = buf[off:off + group_bytes(fmt, nb)]
-        bits = 4 if fmt in (QF_Q4, QF_K4, QF_Q5, QF_K6) else 8
-        qbytes = {QF_Q4: 256, QF_K4: 256, QF_K6: 384}.get(fmt, 512)
+        bits = 8 if fmt == QF_Q8 else 4  # the low nibbles; Q5_0, Q5_K and Q6_K add their planes
+        qbytes = {QF_Q4: 256, QF_K4: 256, QF_K5: 320, QF_K6: 384}.get(fmt, 512)
         if fmt == QF_Q5:
             blk = raw.reshape(nb, 352)
             dlo = dhi = blk[:, 320:].copy().view(np.float16).astype(np.float32)  # [nb, lane]
@@ -269,11 +272,12 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
         else:
             q = v.view(np.int8).reshape(nb, 16, LANES, 2).transpose(2, 0, 1, 3)
         q = q.reshape(LANES, nb, BLOCK).astype(np.float32)
-        if fmt == QF_Q5:  # the fifth bits: plane j // 4, bit 2 (j % 4) + hi, byte 2 lane + e
+        if fmt in (QF_Q5, QF_K5):  # the fifth bits: plane j // 4, bit 2 (j % 4) + hi, byte 2 lane + e
             p = blk[:, 256:320].reshape(nb, 2, LANES, 2)  # [nb, plane, lane, e]
             sh = (2 * np.arange(4)[None, :] + np.arange(2)[:, None]).astype(np.uint8)  # [hi, j % 4]
             h = (p[:, None, :, None, :, :] >> sh[None, :, None, :, None, None]) & 1  # [nb, hi, pl, j%4, lane, e]
-            q = q + 16 * h.transpose(4, 0, 1, 2, 3, 5).reshape(LANES, nb, BLOCK).astype(np.float32) - 16
+            q = q + 16 * h.transpose(4, 0, 1, 2, 3, 5).reshape(LANES, nb, BLOCK).astype(np.float32)
+            q = q - 16 if fmt == QF_Q5 else q
         if fmt == QF_K6:  # the top two bits: plane j // 2, bits 4 (j % 2) + 2 hi, byte 2 lane + e
             p = blk[:, 256:384].reshape(nb, 4, LANES, 2)  # [nb, plane, lane, e]
             sh = (4 * np.arange(2)[None, :] + 2 * np.arange(2)[:, None]).astype(np.uint8)  # [hi, j % 2]

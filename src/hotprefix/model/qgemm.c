@@ -23,7 +23,8 @@
  *   QF_K4  Q4_K: per super-block of 8 blocks (256 inputs), 8 times [256 bytes of 4-bit q, 16 int8
  *          sc, 16 int8 mn], then 16 fp16 d and 16 fp16 -dmin: D = d * sc, M = -dmin * mn
  *          (exact in fp32: the file's own values);
- *   QF_K5  Q5_K: the same with 512 bytes of int8 q (0..31);
+ *   QF_K5  Q5_K: the same with q (0..31) as QF_Q5's 256 bytes of low nibbles and 64 of fifth
+ *          bits;
  *   QF_K6  Q6_K: q - 32 as 256 bytes of low nibbles and 128 of their top two bits (byte p of
  *          32-byte plane j / 2 holds chunk j's byte p's in bits 4 (j % 2) + 2 hi and the next),
  *          16 int8 scales of inputs 0-15 and 16 of inputs 16-31, then per super-block 16 fp16 d
@@ -197,9 +198,9 @@ void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *s
 enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_Q5 = 5, QF_FORMATS };
 
 static inline int fmt_bits(int f) {
-    return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 ? 5 : f == QF_K6 ? 6 : 8;
+    return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 || f == QF_K5 ? 5 : f == QF_K6 ? 6 : 8;
 }
-static inline int64_t fmt_qbytes(int f) { return (int64_t[]){256, 512, 256, 512, 384, 320}[f]; }
+static inline int64_t fmt_qbytes(int f) { return (int64_t[]){256, 512, 256, 320, 384, 320}[f]; }
 /* scales of each block in the block itself (fp16 D and M; Q5_0: D only), not per super-block */
 static inline int fmt_local(int f) { return f == QF_Q4 || f == QF_Q8 || f == QF_Q5; }
 static inline int64_t fmt_scales(int f) { return f == QF_Q5 ? 32 : 64; }
@@ -232,7 +233,8 @@ static inline const uint8_t *group_at(const uint8_t *w, int64_t g, int *f) {
 }
 
 /* Input i of lane l in a block's values. */
-static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
+static inline int weight_q(const uint8_t *blk, int f, int l, int i) {
+    const int bits = fmt_bits(f);
     const int pair = i / 2, e = i % 2;
     if (bits == 8) return (int8_t)blk[32 * pair + 2 * l + e];
     const int j = pair % 8, hi = pair / 8;
@@ -240,7 +242,7 @@ static inline int weight_q(const uint8_t *blk, int bits, int l, int i) {
     const int q = hi ? byte >> 4 : byte & 0x0f;
     if (bits == 4) return q;
     if (bits == 6) return q + 16 * ((blk[256 + 32 * (j / 2) + 2 * l + e] >> (4 * (j % 2) + 2 * hi)) & 3) - 32;
-    return q + 16 * ((blk[256 + 32 * (j / 4) + 2 * l + e] >> (2 * (j % 4) + hi)) & 1) - 16;
+    return q + 16 * ((blk[256 + 32 * (j / 4) + 2 * l + e] >> (2 * (j % 4) + hi)) & 1) - (f == QF_Q5 ? 16 : 0);
 }
 
 /* Lane l's scales of block b: w = D * q + M, D = dlo for inputs 0-15 and dhi for 16-31 (equal but
@@ -272,7 +274,6 @@ static inline void lane_scales(const uint8_t *wg, const uint8_t *blk, int f, int
 static void group_rows_c(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                          const float *sa, const float *sq, int64_t k, int nr, float *y,
                          int64_t ldy, int lanes) {
-    const int bits = fmt_bits(f);
     for (int r = 0; r < nr; r++) {
         float acc[QG_LANES] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -281,7 +282,7 @@ static void group_rows_c(const uint8_t *wg, int f, int64_t nb, const int16_t *qa
             const float q = sq[r * nb + b];
             for (int l = 0; l < QG_LANES; l++) {
                 int32_t s[2] = {0, 0}; /* inputs 0-15, 16-31 */
-                for (int i = 0; i < QG_BLOCK; i++) s[i / 16] += weight_q(blk, bits, l, i) * a[i];
+                for (int i = 0; i < QG_BLOCK; i++) s[i / 16] += weight_q(blk, f, l, i) * a[i];
                 float dlo, dhi, m, c;
                 lane_scales(wg, blk, f, b, l, &dlo, &dhi, &m);
                 if (f == QF_K6)
@@ -323,11 +324,15 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             for (int j = 0; j < 8; j++) {
                 __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
                 __m512i wl = _mm512_and_si512(w, low4), wh = _mm512_srli_epi16(w, 4);
-                if (bits == 5) { /* Q5_0: q - 16, 16 subtracted where the fifth bit is clear */
+                if (bits == 5) { /* Q5_0: q - 16, 16 subtracted where the fifth bit is clear (Q5_K: q) */
                     const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 4))));
                     const __m512i s16 = _mm512_set1_epi16(16);
                     wl = _mm512_mask_sub_epi16(wl, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(1 << (2 * (j % 4)))), wl, s16);
                     wh = _mm512_mask_sub_epi16(wh, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(2 << (2 * (j % 4)))), wh, s16);
+                    if (f == QF_K5) {
+                        wl = _mm512_add_epi16(wl, s16);
+                        wh = _mm512_add_epi16(wh, s16);
+                    }
                 }
                 if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
                     const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 2))));
@@ -453,7 +458,7 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
                 const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
                 __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
                 __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
-                if (bits == 5) { /* Q5_0: q - 16, -16 added where the fifth bit is clear */
+                if (bits == 5) { /* Q5_0: q - 16, -16 added where the fifth bit is clear (Q5_K: q) */
                     const uint8_t *pl = blk + 256 + 32 * (j / 4);
                     const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
                     const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
@@ -466,6 +471,13 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
                     QG_Q5(lo1, h1, ml);
                     QG_Q5(hi1, h1, mh);
 #undef QG_Q5
+                    if (f == QF_K5) {
+                        const __m256i p16 = _mm256_set1_epi16(16);
+                        lo0 = _mm256_add_epi16(lo0, p16);
+                        hi0 = _mm256_add_epi16(hi0, p16);
+                        lo1 = _mm256_add_epi16(lo1, p16);
+                        hi1 = _mm256_add_epi16(hi1, p16);
+                    }
                 }
                 if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
                     const uint8_t *pl = blk + 256 + 32 * (j / 2);
@@ -667,7 +679,7 @@ int64_t qg_dequant_rows(const uint8_t *w, int64_t n, int64_t k, const int64_t *i
             lane_scales(wg, blk, f, b, l, &dlo, &dhi, &m);
             float *o = out + i * k + b * QG_BLOCK;
             for (int j = 0; j < QG_BLOCK; j++) {
-                const float d = j < 16 ? dlo : dhi, p = d * (float)weight_q(blk, fmt_bits(f), l, j);
+                const float d = j < 16 ? dlo : dhi, p = d * (float)weight_q(blk, f, l, j);
                 o[j] = f == QF_K4 || f == QF_K5 || m != 0.0f ? p + m : p;
             }
         }
