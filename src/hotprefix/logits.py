@@ -18,19 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from hotprefix.sampling import SamplingParams
 
 
 @dataclass
 class RowInput:
     """What the sampler knows about one row: the sequence's parameters, stream and tokens."""
 
-    params: "SamplingParams"
+    params: Any
+    """The sequence's ``hotprefix.sampling.SamplingParams`` (not imported: it imports this module)."""
     generator: torch.Generator | None
     token_ids: Sequence[int]
     """The prompt followed by the tokens generated so far."""

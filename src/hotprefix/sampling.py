@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hotprefix.logits import RowInput, needs_processing, process
+from hotprefix.sampling_limits import MAX_ABS_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
 from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, drop_accepted
 
@@ -37,16 +38,6 @@ MAX_STOP_SEQUENCES = 64
 token, in the engine thread that serves every request (OpenAI takes 4)."""
 MAX_STOP_CHARS = 1000
 """Longest stop string (characters)."""
-MAX_N = 64
-"""Most sequences one request may ask for (``n``, ``best_of``): each decodes like a request."""
-MAX_LOGPROBS = 20
-"""Most top log probabilities per token (OpenAI's chat limit; its completions API takes 5)."""
-MAX_LOGIT_BIAS = 1024
-"""Most tokens one ``logit_bias`` may name."""
-MAX_ABS_BIAS = 100.0
-"""``logit_bias`` values lie in [-MAX_ABS_BIAS, MAX_ABS_BIAS] (OpenAI's range)."""
-MAX_ABS_PENALTY = 2.0
-"""``presence_penalty`` and ``frequency_penalty`` lie in [-2, 2] (OpenAI's range)."""
 
 
 class SamplingError(ValueError):

@@ -23,12 +23,13 @@ from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.sampling import SamplingError, SamplingParams
 from hotprefix.server import constraints as C
+from hotprefix.server import logprobs as L
 from hotprefix.server import protocol as P
 from hotprefix.server import tools as T
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
 from hotprefix.server.state import ServerState
-from hotprefix.server.streaming import collect, stream_response
+from hotprefix.server.streaming import LogprobView, collect, stream_response
 from hotprefix.server.tenants import Tenant
 from hotprefix.tokenizer import TokenizerError
 
@@ -82,7 +83,10 @@ def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None
             "expect_reuse": hints.expect_reuse}
 
 
-def sampling(body: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
+def sampling(body: P._SamplingFields, max_tokens: int | None,
+             extra: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling parameters; ``extra``: more ``SamplingParams`` fields (n, logprobs,
+    penalties... from ``server/logprobs.py``)."""
     opts: dict[str, Any] = dict(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -91,6 +95,7 @@ def sampling(body: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
         ignore_eos=bool(body.ignore_eos))
     if max_tokens is not None:
         opts["max_tokens"] = max_tokens
+    opts.update(extra or {})
     try:
         return SamplingParams(**opts)
     except SamplingError as e:
@@ -183,7 +188,7 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
                   request: Request, tenant: Tenant, ids: list[int], max_tokens: int | None,
                   chat: bool, constraint: C.Constraint) -> Response:
     route, field = ("chat", "messages") if chat else ("completions", "prompt")
-    params = sampling(body, max_tokens)
+    params = sampling(body, max_tokens, L.sampling_fields(body))
     if constraint.spec is not None:  # compiled now: a schema error is this request's 400
         await C.compile_for(state.engine, constraint, tenant.salt)
         params.structured_outputs = constraint.spec
@@ -191,25 +196,56 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     created = int(time.time())
     stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field,
                           openai_hints(body, len(ids)))
+    view = logprob_view(state, body, ids, params)
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)
         return stream_response(stream, chat, rid, created, state.served_name, inc,
-                               lambda out: finish(state, out, route, tenant), constraint)
+                               lambda out: finish(state, out, route, tenant), constraint, view)
     out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
     rep = finish(state, out, route, tenant)
-    reason = out.finish_reason
-    if chat:
-        message, reason = C.answer(constraint, out.text, reason)
-        obj, choice = "chat.completion", {"message": message}
-    else:
-        obj, choice = "text_completion", {"text": out.text}
+    choices = []
+    for comp in out.outputs:
+        reason, lp = comp.finish_reason, None
+        if chat:
+            message, reason = C.answer(constraint, comp.text, reason)
+            if view is not None:
+                lp = L.chat_logprobs(comp.token_ids, comp.logprobs, view.k, view.text)
+            choice: dict[str, Any] = {"message": message}
+        else:
+            text, ids_shown, positions = comp.text, comp.token_ids, comp.logprobs
+            if view is not None and view.echo is not None:
+                text = view.echo + text
+                ids_shown = out.prompt_token_ids + comp.token_ids
+                positions = (out.prompt_logprobs or []) + (comp.logprobs or [])
+            if view is not None and view.show:
+                lp = L.completion_logprobs(ids_shown, positions, view.k, view.text)
+            choice = {"text": text}
+        choices.append({"index": comp.index, **choice, "logprobs": lp, "finish_reason": reason})
     return JSONResponse({
-        "id": rid, "object": obj, "created": created, "model": state.served_name,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}],
-        "usage": P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens),
+        "id": rid, "object": obj_name(chat), "created": created, "model": state.served_name,
+        "choices": choices,
+        "usage": P.usage(len(out.prompt_token_ids), out.num_generated_tokens, out.num_cached_tokens),
         "hotprefix": {"cache": rep}}, headers={"x-hotprefix-cache": cache_header(rep)})
+
+
+def obj_name(chat: bool) -> str:
+    return "chat.completion" if chat else "text_completion"
+
+
+def logprob_view(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest,
+                 ids: list[int], params: SamplingParams) -> LogprobView | None:
+    """How the answer shows log probabilities and the echoed prompt; None when it shows neither."""
+    echo = None
+    if isinstance(body, P.CompletionRequest) and body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else (
+            body.prompt[0] if isinstance(body.prompt, list) and body.prompt
+            and isinstance(body.prompt[0], str) else state.tokenizer.decode(ids))
+    if params.logprobs is None and echo is None:
+        return None
+    return LogprobView(k=params.logprobs or 0, text=L.TokenText(state.tokenizer), echo=echo,
+                       show=params.logprobs is not None)
 
 
 async def final_output(stream: RequestStream, request: Request) -> RequestOutput | None:

@@ -3,8 +3,8 @@
 Requests are strict (no string-to-number coercion, no NaN/inf) and refuse unknown top-level fields,
 as the OpenAI API does. A few extensions are accepted: ``top_k``, ``ignore_eos``, ``stop_token_ids``
 and the ``hotprefix`` object (per-request cache retention). Parameters that exist in the OpenAI
-API but that this server does not implement (``n > 1``, ``logprobs``, ``echo``...) are
-accepted only at their neutral value and otherwise refused with a clear message.
+API but that this server does not implement (``suffix``) are accepted only at their neutral value
+and otherwise refused with a clear message. vLLM's ``repetition_penalty`` is accepted too.
 
 Knows nothing about the engine or HTTP routing.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hotprefix.sampling_limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 MAX_TTL_S = 86400.0
 """Longest retention pin a request may ask for (seconds)."""
@@ -114,10 +116,14 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    """Choices for the prompt, computed once (``server/logprobs.py``)."""
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=1e6)
+    """vLLM's: over the prompt and output tokens, 1 = off."""
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    """Token id (as a string) -> bias in [-100, 100]."""
     user: str | None = None
     hotprefix: CacheControl | None = None
     prompt_cache_key: str | None = Field(None, max_length=MAX_CACHE_KEY_CHARS)
@@ -145,9 +151,10 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt (a string or token ids)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = False
-    best_of: int | None = None
+    """Return the prompt before the completion (with ``logprobs``, its tokens' log probabilities)."""
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -184,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -200,17 +207,9 @@ class WarmRequest(_Strict):
 
 def unsupported(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str] | None:
     """(param, message) for the first OpenAI parameter set to a value this server cannot honor."""
-    checks: list[tuple[str, bool]] = [
-        ("n", (req.n or 1) != 1),
-        ("presence_penalty", bool(req.presence_penalty)),
-        ("frequency_penalty", bool(req.frequency_penalty)),
-        ("logit_bias", bool(req.logit_bias)),
-    ]
+    checks: list[tuple[str, bool]] = []
     if isinstance(req, CompletionRequest):
-        checks += [("logprobs", req.logprobs is not None), ("echo", bool(req.echo)),
-                   ("best_of", req.best_of not in (None, 1)), ("suffix", bool(req.suffix))]
-    else:
-        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs))]
+        checks += [("suffix", bool(req.suffix))]
     for param, bad in checks:
         if bad:
             return param, f"{param} is not supported by this server (use its default)"
