@@ -9,8 +9,8 @@ derived by default) is 1 + the requests expected to queue behind it: the fleet's
 replica x the time until the queues empty, (mean work + this prefill) / (1 - utilization), both
 measured over the router's recent decisions; a second of prefill delays each of them too. A quiet
 fleet has w = 1. The eviction term prices the blocks the prompt writes beyond the replica's empty
-ones (when it reports them): each at its prefill time x that replica's hit ratio (the chance a
-cached block there is read again). No token counts or ratios tuned on a trace.
+ones (when it reports them), each at its own prefill time. No token counts or ratios tuned on a
+trace.
 
 The replica's work is the time its queued and running work takes at its own measured rates
 (``load``: prefill tokens left / prefill tok/s + decode tokens left x s per decoded token), plus
@@ -205,15 +205,16 @@ class Router:
         return sum(known) / len(known) if known else 0.0
 
     def eviction_s(self, replica: str, compute: int) -> float:
-        """What writing ``compute`` new tokens' blocks on ``replica`` evicts, in prefill seconds
-        someone will spend again: the blocks beyond its empty ones, each worth its prefill time x
-        the chance a cached block is read again there (its hit ratio). 0 where not reported."""
+        """What writing ``compute`` new tokens' blocks on ``replica`` evicts, in prefill seconds:
+        the blocks beyond its empty ones, each worth its own prefill time (the pool kept it because
+        its policy expects it back; a replica's measured hit ratio would undervalue exactly the
+        pool that thrashes). 0 where the replica does not report its empty blocks."""
         load = self.loads[replica]
         empty = load.empty_left()
-        if empty is None or load.hit_ratio is None:
+        if empty is None:
             return 0.0
         over = compute / self.block_size - empty
-        return max(0.0, over) * self.block_size * load.hit_ratio / self.rates(replica)[0]
+        return max(0.0, over) * self.block_size / self.rates(replica)[0]
 
     def view(self) -> dict[str, dict[str, float]]:
         """Per replica: work seconds, tokens (prefill, decode) counted, rates; for stats pages."""
@@ -223,7 +224,8 @@ class Router:
             p, d = self.rates(r)
             out[r] = {"work_s": round(self.work_s(r), 4), "prefill_tokens": round(pre),
                       "decode_tokens": round(dec), "prefill_tok_s": round(p, 1),
-                      "decode_token_s": round(d, 6), "pending": len(self.loads[r].pending)}
+                      "decode_token_s": round(d, 6), "pending": len(self.loads[r].pending),
+                      "measured": self.loads[r].prefill_tok_s is not None}
         return out
 
     # ------------------------------------------------------------------ routing
