@@ -264,3 +264,22 @@ def test_anthropic_tools_round_trip_and_stream(srv):
     assert [b.type for b in final.content] == ["tool_use"]
     name = final.content[0].name
     jsonschema.validate(final.content[0].input, {t["name"]: t for t in ANT_TOOLS}[name]["input_schema"])
+
+
+def test_reordered_tools_name_the_miss_cause(srv):
+    import httpx
+
+    def post(tools):
+        body = {"model": srv.model, "max_tokens": 2, "temperature": 0, "tools": tools,
+                "messages": [{"role": "system", "content": "You route travel questions."},
+                             {"role": "user", "content": "Hi"}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": "Bearer sk-alice-2"})
+        assert r.status_code == 200, r.text
+        return r.json()["hotprefix"]["cache"]
+
+    post(TOOLS)
+    same = post(TOOLS)
+    assert same["cached_tokens"] > 0
+    swapped = post(list(reversed(TOOLS)))
+    assert swapped["miss_reason"] == "diverged" and swapped["detail"]["likely_cause"] == "tools_changed"

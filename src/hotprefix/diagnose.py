@@ -16,6 +16,11 @@ from hotprefix.volatile import find_volatile
 from hotprefix.tokenizer import Tokenizer, TokenizerError
 
 
+TOOL_BLOCK_MARKERS = ('{"function": {', '"parameters": {', '"description": "', "<tools>", "</tools>")
+"""Text of the server's tool block (``server/tools.py``: each function's JSON on one line, keys
+sorted): a divergence beside one of these is in the tool definitions."""
+
+
 def explain(report: CacheReport, tokenizer: Tokenizer) -> CacheReport:
     """Add human-readable excerpts (and a cause guess) to a ``diverged`` report, in place.
 
@@ -47,8 +52,13 @@ def explain(report: CacheReport, tokenizer: Tokenizer) -> CacheReport:
         a, b = sent[i:i + 8], cached[i:i + 8]
         if a[:1].isdigit() and b[:1].isdigit():
             guess = "number"
+    if guess is None and any(m in sent or m in cached for m in TOOL_BLOCK_MARKERS):
+        guess = "tools_changed"
     detail["likely_cause"] = guess
-    if guess:
+    if guess == "tools_changed":
+        detail["hint"] = ("the prompt differs from the cached one in the tool definitions (their "
+                          "order, a description or a schema): send the same tools in the same order")
+    elif guess:
         detail["hint"] = (f"the prompt differs from the cached one at a {guess.replace('_', ' ')}; "
                           "move volatile values after the stable part of the prompt")
     return report
