@@ -14,6 +14,7 @@ the llama.cpp peer has built ``llama-tokenize``, with llama.cpp itself.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -310,7 +311,7 @@ def test_fingerprint_covers_scores_types_and_byte_fallback(tiny, tmp_path):
     v = _vocab(path)
     types = v.types.copy()
     types[last] = spm_vocab.USER_DEFINED
-    other = spm_vocab.SpmVocab(**{**v.__dict__, "types": types})
+    other = dataclasses.replace(v, types=types)
     assert other.digest() != v.digest()
 
 

@@ -33,6 +33,7 @@ This module knows nothing about transformers, chat templates or the model's weig
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -88,17 +89,20 @@ class SpmVocab:
         """The vocabulary has byte pieces, so no text is ever unknown."""
         return bool(np.any(self.types == BYTE))
 
+    @functools.cached_property
+    def _utf8(self) -> list[bytes]:
+        return [t.encode("utf-8") for t in self.tokens]
+
     def max_text_bytes(self) -> int:
-        """Most UTF-8 bytes of text one piece stands for (``▁`` is one space; a byte piece one
-        byte; a control piece its spelling, for a decode that keeps it)."""
-        return max((1 if ty == BYTE else len(t.replace("\u2581", " ").encode("utf-8"))
-                    for t, ty in zip(self.tokens, self.types.tolist())), default=1)
+        """An upper bound on the UTF-8 bytes of text one piece stands for: its spelling's (``▁``,
+        3 bytes, stands for a 1-byte space; ``<0xXX>`` for one byte)."""
+        return max(map(len, self._utf8), default=1)
 
     def digest(self) -> str:
         """sha256 of everything that decides the ids a text becomes and the text ids become:
         pieces, scores, types, special ids and flags (the chat template is fingerprinted apart)."""
         h = hashlib.sha256()
-        h.update(b"\0".join(t.encode("utf-8") for t in self.tokens))
+        h.update(b"\0".join(self._utf8))
         h.update(np.ascontiguousarray(self.scores, dtype="<f4").tobytes())
         h.update(np.ascontiguousarray(self.types, dtype="<i4").tobytes())
         h.update(json.dumps({"bos": self.bos_id, "eos": self.eos_id, "unk": self.unk_id,
