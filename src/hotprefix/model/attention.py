@@ -75,9 +75,9 @@ class AttentionMetadata:
     decode_context_lens: list[int] = field(default_factory=list)  # keys each decode sees (itself included)
     prefills: list[PrefillSeq] = field(default_factory=list)
     has_padding: bool = False
-    _tiles: dict[tuple[int, torch.dtype], list["PrefillTile"]] = field(
+    _tiles: dict[tuple[int, torch.dtype, int], list["PrefillTile"]] = field(
         default_factory=dict, compare=False, repr=False)
-    _groups: dict[tuple[int, torch.dtype], list["DecodeGroup"]] = field(
+    _groups: dict[tuple[int, torch.dtype, int], list["DecodeGroup"]] = field(
         default_factory=dict, compare=False, repr=False)
     _rows: dict[int, "RowPlan"] = field(default_factory=dict, compare=False, repr=False)
 
@@ -89,19 +89,21 @@ class AttentionMetadata:
             plan = self._rows[num_rows] = _plan_rows(self, num_rows)
         return plan
 
-    def decode_groups(self, block_size: int, dtype: torch.dtype) -> list["DecodeGroup"]:
-        """The decodes' attention calls, planned once per forward pass: runs of consecutive decode
-        rows whose key counts (``padded_len`` of their context) are equal."""
-        key = (block_size, dtype)
+    def decode_groups(self, block_size: int, dtype: torch.dtype,
+                      window: int = 0) -> list["DecodeGroup"]:
+        """The decodes' attention calls, planned once per forward pass (and window): runs of
+        consecutive decode rows whose key counts (``padded_len`` of their context) are equal."""
+        key = (block_size, dtype, window)
         groups = self._groups.get(key)
         if groups is None:
-            groups = self._groups[key] = _plan_decode_groups(self, block_size, dtype)
+            groups = self._groups[key] = _plan_decode_groups(self, *key)
         return groups
 
-    def prefill_tiles(self, block_size: int, dtype: torch.dtype) -> list["PrefillTile"]:
-        """The prefill chunks' attention calls, planned once per forward pass: every layer makes
-        the same calls, only the tensors differ."""
-        key = (block_size, dtype)
+    def prefill_tiles(self, block_size: int, dtype: torch.dtype,
+                      window: int = 0) -> list["PrefillTile"]:
+        """The prefill chunks' attention calls, planned once per forward pass (and window): every
+        layer makes the same calls, only the tensors differ."""
+        key = (block_size, dtype, window)
         tiles = self._tiles.get(key)
         if tiles is None:
             tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
@@ -218,22 +220,28 @@ def _padded_table(table: torch.Tensor, nblocks: int) -> torch.Tensor:
     return table
 
 
-def _plan_decode_groups(meta: AttentionMetadata, bs: int, dtype: torch.dtype) -> list[DecodeGroup]:
+def _plan_decode_groups(meta: AttentionMetadata, bs: int, dtype: torch.dtype,
+                        window: int = 0) -> list[DecodeGroup]:
     groups: list[DecodeGroup] = []
     r0 = 0
     for keys, run in itertools.groupby(meta.decode_context_lens[: meta.num_decode], key=padded_len):
         lens = torch.tensor(list(run), device=meta.decode_block_tables.device)
         r1 = r0 + len(lens)
-        mask = (torch.arange(keys, device=lens.device) < lens.unsqueeze(1)).view(len(lens), 1, 1, keys)
+        ks = torch.arange(keys, device=lens.device)
+        mask = ks < lens.unsqueeze(1)
+        if window:  # a decode at position p = len - 1 sees keys [p - window + 1, p]
+            mask &= ks >= (lens - window).unsqueeze(1)
+        mask = mask.view(len(lens), 1, 1, keys)
         table = _padded_table(meta.decode_block_tables[r0:r1], keys // bs)
         groups.append(DecodeGroup(r0, r1, table, additive_mask(mask, dtype)))
         r0 = r1
     return groups
 
 
-def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype) -> list[PrefillTile]:
+def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype, window: int = 0) -> list[PrefillTile]:
     """A chunk's calls: its rows cut at multiples of ``KV_TILE`` in position, each call reading
-    the keys up to the end of its tile (every row of it has that key count)."""
+    the keys up to the end of its tile (every row of it has that key count). ``window`` > 0: a
+    row at p sees keys ``[p - window + 1, p]`` only (the others masked, the key count the same)."""
     min_rows = min_q_rows(dtype)
     tiles = []
     dev = p.block_table.device
@@ -247,7 +255,10 @@ def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype) -> list[PrefillTile]
         table = _padded_table(p.block_table, keys // bs)
         rows = max(n, min_rows)
         pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
-        mask = torch.arange(keys, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
+        ks = torch.arange(keys, device=dev).unsqueeze(0)
+        mask = ks <= pos.unsqueeze(1)
+        if window:
+            mask &= ks > (pos - window).unsqueeze(1)
         tiles.append(PrefillTile(r0, r1, rows, table, additive_mask(mask, dtype)))
         r0 = r1
     return tiles
@@ -328,11 +339,14 @@ class GatherScratch:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    scratch: GatherScratch | None = None) -> torch.Tensor:
+                    scratch: GatherScratch | None = None, window: int = 0) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
     K/V of the current step must already be written to the pool. The arithmetic runs in q's dtype.
     K/V are gathered into ``scratch``'s buffers (a new one, and new memory, when none is given).
+    ``window`` > 0: a query at position p attends keys ``[p - window + 1, p]`` (a sliding-window
+    layer), through the same calls with the keys before the window masked: the same key counts,
+    so the same row-invariance.
     """
     out = torch.empty_like(q)
     dt = q.dtype
@@ -342,7 +356,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
     g = q.shape[1] // nkv
     rows = max(g, min_q_rows(dt))
-    for grp in meta.decode_groups(k_cache.shape[1], dt):
+    for grp in meta.decode_groups(k_cache.shape[1], dt, window):
         # a decode token's query heads that share a KV head are the rows of one call (padded with
         # copies to min_q_rows): the same per-row arithmetic as a prefill, at 1/g of the padding
         nd = grp.r1 - grp.r0
@@ -352,7 +366,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k, v = scratch.gather_kv(k_cache, v_cache, grp.table, dt)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.mask, scale=scale)
         out[grp.r0:grp.r1] = o[:, :, :g].reshape(nd, nkv * g, hd)
-    for t in meta.prefill_tiles(k_cache.shape[1], dt):
+    for t in meta.prefill_tiles(k_cache.shape[1], dt, window):
         n = t.r1 - t.r0
         qp = q[t.r0:t.r1]
         if t.rows > n:

@@ -1,11 +1,17 @@
-"""Llama-family decoder (llama, mistral, qwen2, smollm) whose attention reads a paged KV pool.
+"""The decoder forward pass every architecture family shares, over a paged KV pool.
 
-Our own forward pass: embeddings -> N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP)
--> RMSNorm -> LM head. Q/K/V and gate/up projections are fused into one matrix each, so a layer is
-four GEMMs. Takes a flat batch of tokens (prefill chunks and decodes of many sequences together)
-and returns logits only for the rows asked for.
+Embeddings (times the family's scale) -> N x the family's layer (``arch.base.Family.layer``,
+written over the shared operators of ``arch.ops``: the Llama layer, or gemma3's or qwen3's) ->
+RMSNorm -> LM head (a final logit softcap where the model has one). Here live what every family
+shares: the weights as held for compute (weight modes, Q/K/V and gate/up fused into one matrix
+each, so a layer is four GEMMs), padding to batch-invariant row counts, each layer's RoPE tables
+and attention window (``ModelArch.local_layers``), which attention runs (the C kernel, or torch's
+for sliding-window layers: ``attn.c`` takes no window), the fp32 refinement of the top logits, and
+the gguf mode's C layer calls for families whose layer is the plain Llama one. Takes a flat batch of
+tokens (prefill chunks and decodes of many sequences together) and returns logits only for the rows
+asked for.
 
-This module knows nothing about requests or the prefix cache.
+This module knows nothing about requests, the prefix cache or weight names in files.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from hotprefix.model.arch import family
+from hotprefix.model.arch.base import MATRICES
+from hotprefix.model.arch.ops import FusedOps, TorchOps, apply_rope, rms_norm
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
-                                       paged_attention, write_kv)
+                                       paged_attention)
 from hotprefix.model.isa import BY_NAME
 from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, library
 from hotprefix.model.linear import (high_linear, invariant_min_rows,
@@ -72,14 +80,8 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+_apply_rope = apply_rope  # the names the tests import
+_rms_norm = rms_norm
 
 
 def c_attention_fast(lib) -> bool:
@@ -95,6 +97,7 @@ class LlamaModel:
                  dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
                  blocks: dict[str, tuple] | None = None):
         self.arch = arch
+        self.family = family(arch.arch)
         self.device, self.dtype = device, dtype
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
         blocks = blocks or {}
@@ -139,6 +142,8 @@ class LlamaModel:
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
+        if self.c_attention and arch.local_layers:  # the windowed layers run torch's kernel
+            attn += f"/window-attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
         clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
                          + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else ""))
@@ -172,15 +177,11 @@ class LlamaModel:
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            layer = {
-                "in_norm": take(p + "input_layernorm.weight", torch.float32),
-                "post_norm": take(p + "post_attention_layernorm.weight", torch.float32),
-                "qkv": pk("qkv", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
-                "o": pk("o", [p + "self_attn.o_proj.weight"]),
-                "gate_up": pk("gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                "down": pk("down", [p + "mlp.down_proj.weight"]),
-                "qkv_bias": None,
-            }
+            layer = {key: take(p + name + ".weight", torch.float32)
+                     for key, name in self.family.norms.items()}
+            for op, names in MATRICES.items():
+                layer[op] = pk(op, [p + n + ".weight" for n in names])
+            layer["qkv_bias"] = None
             if arch.attention_bias:
                 layer["qkv_bias"] = torch.cat(
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
@@ -188,12 +189,25 @@ class LlamaModel:
             self.layers.append(layer)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device,
                                     torch.float32, arch.rope_freq_factors)
+        local = set(arch.local_layers)
+        local_rope = (RotaryEmbedding(arch.head_dim, arch.rope_theta_local or arch.rope_theta,
+                                      arch.max_position, device, torch.float32)
+                      if local else None)
+        self.layer_rope = [local_rope if i in local else self.rope for i in range(arch.num_layers)]
+        """Each layer's RoPE tables: the local layers' base (no scaling) or the global ones'."""
+        self.layer_window = [arch.sliding_window if i in local else 0
+                             for i in range(arch.num_layers)]
+        """Each layer's sliding window in keys (0: every key up to the query's position)."""
+        emb = self.family.embed_scale(arch)
+        self.embed_scale = None if emb is None else torch.tensor(emb, dtype=torch.float32)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim ** -0.5
         # gguf mode with every layer matrix in blocks: a layer's work around attention in two calls
+        # (the plain Llama layer with one RoPE and no window: what qlayer.c computes)
         self.quant_layers = None
-        if self.weight_mode == "gguf" and self.fused is not None and all(
+        if (self.weight_mode == "gguf" and self.fused is not None and self.family.c_layers
+                and not local) and all(
                 isinstance(layer[op], QuantWeight) for layer in self.layers
                 for op in ("qkv", "o", "gate_up", "down")):
             self.quant_layers = QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads,
@@ -252,13 +266,13 @@ class LlamaModel:
             pad = input_ids.new_zeros(self.min_rows - n_real)
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
         h = self.embed[input_ids].float()
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         n = input_ids.shape[0]
         if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS:
             h = self._layers_quant(h, positions, kv_caches, meta, n_real)
-        elif self.fused is not None:
-            h = self._layers_fused(h, positions, kv_caches, meta, n_real)
         else:
-            h = self._layers_torch(h, positions, kv_caches, meta, n_real)
+            h = self._layers(h, positions, kv_caches, meta, n_real)
         h = h[logits_rows] if logits_rows is not None else h[:n_real]
         if self.fused is not None:
             h = self.fused.add_rms_norm(h.contiguous(), None, self.norm)
@@ -273,6 +287,9 @@ class LlamaModel:
                    else logits.topk(k, dim=-1).indices)
             exact = (self.head32[top] * h.unsqueeze(1)).sum(-1)
             logits.scatter_(1, top, exact)
+        if a.final_logit_softcap:
+            cap = a.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
@@ -283,39 +300,31 @@ class LlamaModel:
         return logits.argmax(dim=-1).tolist()
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """Attention for the fused layer loops; rows past ``n_real`` (padding) get zeros."""
-        if self.c_attention:
+                meta: AttentionMetadata, n_real: int, window: int = 0) -> torch.Tensor:
+        """Attention for the fused layer loops; rows past ``n_real`` (padding) get zeros. A
+        sliding-window layer (``window`` > 0) runs torch's kernel with a window mask."""
+        if self.c_attention and not window:
             plan = meta.row_plan(q.shape[0])
             return self.fused.attention(q, k_cache, v_cache, plan.tables, plan.seq, plan.pos,
                                         self.scale)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch, window)
         if q.shape[0] > n_real:
             o[n_real:] = 0  # padding rows attend to nothing
         return o
 
-    def _layers_fused(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """The decoder layers with the elementwise work in the fused kernels: per layer four GEMMs,
-        attention and four kernel calls."""
-        f, n = self.fused, h.shape[0]
-        positions = positions.contiguous()
-        slots = meta.slot_mapping.contiguous()
-        pending = None  # the previous layer's MLP output, added by the next norm
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = f.add_rms_norm(h, pending, layer["in_norm"])
-            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv").float().contiguous()
-            q = f.rope_write_kv(qkv, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
-            o = self._attend(q, k_cache, v_cache, meta, n_real)
-            attn = self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float().contiguous()
-            x = f.add_rms_norm(h, attn, layer["post_norm"])
-            gate_up = self._mm(x, layer["gate_up"], None, "gate_up").float().contiguous()
-            pending = self._mm(f.silu_mul(gate_up), layer["down"], None, "down").float()
-        return h.add_(pending)
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+        """The decoder layers, the family's ``layer`` over the shared operators: the fused
+        kernels' (``arch.ops.FusedOps``) where they build, else torch's (``TorchOps``)."""
+        ops = (FusedOps if self.fused is not None else TorchOps)(self, positions, meta, n_real)
+        layer_fn, pending = self.family.layer, None
+        for layer, kv, rope, window in zip(self.layers, kv_caches, self.layer_rope, self.layer_window):
+            pending = layer_fn(ops, layer, h, pending, kv, rope, window)
+        return h.add_(pending.float())
 
     def _layers_quant(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                       meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """``_layers_fused`` with each layer's work before and after attention in one C call, or
+        """``_layers`` (the Llama layer, fused kernels) with each layer's work before and after attention in one C call, or
         with the C attention, every layer in one call (``all_layers_call``; the same bits)."""
         ql = self.quant_layers
         positions = positions.contiguous()
@@ -329,27 +338,3 @@ class LlamaModel:
             o = self._attend(q, k_cache, v_cache, meta, n_real)
             pending = ql.post(o, h, layer)
         return h.add_(pending)
-
-    def _layers_torch(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """The decoder layers in torch ops (no C compiler, or the fused kernels turned off)."""
-        a, dt, n = self.arch, self.dtype, h.shape[0]
-        cos, sin = self.rope.tables(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = _rms_norm(h, layer["in_norm"], a.rms_norm_eps)
-            qkv = self._mm(x, layer["qkv"], layer["qkv_bias"], "qkv")
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            # RoPE on queries and keys together: one set of ops instead of two
-            qk = _apply_rope(qk.view(n, a.num_heads + a.num_kv_heads, a.head_dim).float(), cos, sin)
-            q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
-            q = q.to(self.attn_dtype)  # the pool holds K/V in dt; attention may widen them
-            v = v.view(n, a.num_kv_heads, a.head_dim).to(dt)
-            write_kv(k_cache, v_cache, k.to(dt), v, meta)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch)
-            if n > n_real:
-                o[n_real:] = 0  # padding rows attend to nothing
-            h = h + self._mm(o.reshape(n, self.q_size), layer["o"], None, "o").float()
-            x = _rms_norm(h, layer["post_norm"], a.rms_norm_eps)
-            gate, up = self._mm(x, layer["gate_up"], None, "gate_up").chunk(2, dim=-1)
-            h = h + self._mm(F.silu(gate) * up, layer["down"], None, "down").float()
-        return h

@@ -24,25 +24,24 @@ from dataclasses import field as dataclass_field
 import numpy as np
 import torch
 
+from hotprefix.model.arch import SUPPORTED_ARCHS, family
 from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
                                       resolve_model_path)
 from hotprefix.model.qlinear import BLOCK, GGUF_TYPES
-from hotprefix.model.rope import gguf_freq_factors, hf_rope
+from hotprefix.model.rope import gguf_freq_factors
 
 __all__ = ["DEFAULT_MODEL_FILE", "SUPPORTED_ARCHS", "LoadedModel", "ModelArch", "ModelLoadError",
            "default_model_path", "load_model", "resolve_model_path"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm")
-
-
 @dataclass(frozen=True)
 class ModelArch:
-    """Shape of a Llama-family decoder."""
+    """Shape of a decoder: the numbers every family has, then those some families have (their
+    defaults: absent). The family (``arch.family(arch)``) says what the layer does with them."""
 
     arch: str
-    """Architecture name (llama, mistral, qwen2, smollm)."""
+    """Architecture name (``arch.SUPPORTED_ARCHS``: llama, mistral, qwen2, smollm, qwen3, gemma3 ...)."""
     vocab_size: int
     """Rows of the embedding matrix."""
     hidden_size: int
@@ -71,10 +70,34 @@ class ModelArch:
     """Llama 3 RoPE scaling: one divisor per rotary frequency pair (``head_dim // 2``), so that
     ``inv_freq[i] = rope_theta ** (-2i / head_dim) / rope_freq_factors[i]``: a GGUF's
     ``rope_freqs.weight``, or computed from a HF ``rope_scaling`` of type llama3
-    (``rope.llama3_freq_factors``). None: no scaling. Part of the fingerprint."""
+    (``rope.llama3_freq_factors``); a linear scaling as one factor repeated. They apply to the
+    global (full-attention) layers. None: no scaling. Part of the fingerprint."""
+    sliding_window: int = 0
+    """Keys a query of a local layer sees: those at ``[p - sliding_window + 1, p]`` (0: none)."""
+    local_layers: tuple[int, ...] = ()
+    """The sliding-window layers (gemma3: all but every 6th); the others attend to every key."""
+    rope_theta_local: float | None = None
+    """RoPE base of the local layers (None: ``rope_theta``), without ``rope_freq_factors``."""
+    attn_scale: float | None = None
+    """What queries are scaled by before attention (None: ``head_dim ** -0.5``)."""
+    final_logit_softcap: float | None = None
+    """Logits become ``tanh(x / c) * c`` (None: none)."""
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def fingerprint_json(self) -> str:
+        """The architecture as hashed into the fingerprint: every field, but a field added for a
+        family (``OPTIONAL``) only where it is set, so the fingerprints of models without it
+        (the default one's) stay what they were."""
+        d = {k: v for k, v in self.__dict__.items()
+             if k not in _OPTIONAL or v != _OPTIONAL[k]}
+        return json.dumps(d, sort_keys=True)
+
+
+_OPTIONAL = {"sliding_window": 0, "local_layers": (), "rope_theta_local": None,
+             "attn_scale": None, "final_logit_softcap": None}
+"""ModelArch fields that enter the fingerprint only when not at these defaults."""
 
 
 @dataclass
@@ -117,12 +140,6 @@ def _file_digest(paths: list[str], extra: str) -> str:
 
 
 # --------------------------------------------------------------------------- GGUF
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -195,7 +212,8 @@ def _load_gguf(path: str) -> LoadedModel:
             return default
 
     arch_name = field("general.architecture")
-    if arch_name not in SUPPORTED_ARCHS:
+    fam = family(arch_name)
+    if fam is None:
         raise ModelLoadError(f"unsupported architecture {arch_name!r} in {path}; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
     a = arch_name
@@ -208,11 +226,11 @@ def _load_gguf(path: str) -> LoadedModel:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_heads))
     scaling = field(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and scaling not in fam.rope_scalings:
         raise ModelLoadError(f"{path}: RoPE scaling type {scaling!r} is not supported (only "
                              "llama3's, as rope_freqs.weight)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    arch = ModelArch(
+    common = dict(
         arch=a, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(field(f"{a}.feed_forward_length")),
         num_layers=int(field(f"{a}.block_count")), num_heads=n_heads, num_kv_heads=n_kv,
@@ -224,7 +242,8 @@ def _load_gguf(path: str) -> LoadedModel:
         rope_freq_factors=(None if freqs is None else gguf_freq_factors(
             dequantize(freqs.data, freqs.tensor_type), head_dim, path)),
     )
-    permuted = a in ("llama", "mistral", "smollm")  # llama.cpp permutes Q/K for these, not for qwen2
+    arch = ModelArch(**{**common, **fam.gguf_fields(field, a, common, names, path)})
+    permuted = a in fam.permuted  # llama.cpp permutes Q/K for llama, mistral, smollm
 
     entries: dict[str, tuple] = {}
     blocks: dict[str, tuple[str, np.ndarray]] = {}
@@ -241,11 +260,11 @@ def _load_gguf(path: str) -> LoadedModel:
             hf = "lm_head.weight"
         elif name.startswith("blk."):
             _, idx, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
+            if kind not in fam.tensors:
                 continue  # no other per-layer tensor is read
             if permuted:
                 heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
-            hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{suffix}"
+            hf = f"model.layers.{idx}.{fam.tensors[kind]}.{suffix}"
         else:
             continue  # rope_freqs.weight is read into the arch above
         try:  # one row now: an unsupported type fails the load, not a later read
@@ -266,7 +285,7 @@ def _load_gguf(path: str) -> LoadedModel:
                     sum(b for _, b, _ in unblocked) / 2**20, sum(4 * n for _, _, n in unblocked) / 2**20)
     weights = GgufWeights(entries)
     _check_weights(arch, weights, path)
-    fp = _file_digest([path], json.dumps(arch.__dict__, sort_keys=True))
+    fp = _file_digest([path], arch.fingerprint_json())
     name = str(field("general.name") or os.path.basename(path))
     return LoadedModel(arch, weights, fp, path, path, name, blocks)
 
@@ -279,13 +298,14 @@ def _load_hf_dir(path: str) -> LoadedModel:
     with open(cfg_path) as f:
         cfg = json.load(f)
     mtype = cfg.get("model_type", "")
-    if mtype not in SUPPORTED_ARCHS:
+    fam = family(mtype)
+    if fam is None:
         raise ModelLoadError(f"unsupported architecture {mtype!r} in {cfg_path}; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
     n_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-    rope_theta, rope_factors = hf_rope(cfg, head_dim, cfg_path)
+    rope_theta, rope_factors = fam.hf_rope(cfg, head_dim, cfg_path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
@@ -295,7 +315,8 @@ def _load_hf_dir(path: str) -> LoadedModel:
     for fpath in files:
         for k, v in load_file(fpath).items():
             weights[k] = v.float()
-    arch = ModelArch(
+    fam.hf_weights(weights)
+    common = dict(
         arch=mtype, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=n_heads, num_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
@@ -306,20 +327,22 @@ def _load_hf_dir(path: str) -> LoadedModel:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", "lm_head.weight" not in weights)),
         rope_freq_factors=rope_factors,
     )
+    arch = ModelArch(**{**common, **fam.hf_fields(cfg, common, cfg_path)})
     if "lm_head.weight" not in weights and not arch.tie_word_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and embeddings are not tied")
     _check_weights(arch, weights, path)
     tok_src = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_src):
         raise ModelLoadError(f"{path} has no tokenizer.json")
-    fp = _file_digest(files, json.dumps(arch.__dict__, sort_keys=True))
+    fp = _file_digest(files, arch.fingerprint_json())
     return LoadedModel(arch, weights, fp, path, path, os.path.basename(os.path.normpath(path)))
 
 
 def _check_weights(arch: ModelArch, w: dict[str, torch.Tensor], path: str) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
+    names = family(arch.arch).layer_tensors()
     for i in range(arch.num_layers):
-        need += [f"model.layers.{i}.{n}.weight" for n in _GGUF_NAMES.values()]
+        need += [f"model.layers.{i}.{n}.weight" for n in names]
     missing = [n for n in need if n not in w]
     if missing:
         raise ModelLoadError(f"{path} lacks {len(missing)} expected tensors, e.g. {missing[:3]}")

@@ -1,0 +1,321 @@
+"""Architecture families against transformers (issue 27): tiny random-weight ``Qwen3ForCausalLM``
+and ``Gemma3ForCausalLM`` (text), each loaded from its HF directory and from a GGUF written here
+with ``gguf``'s writer as llama.cpp's ``convert_hf_to_gguf.py`` writes it (its tensor names,
+gemma's ``1 + w`` norms, its metadata); where the converter is at hand, its own GGUF is compared
+with ours tensor by tensor and run too (skipped without it).
+
+Gemma 3's model has a sliding window of 8 keys on 5 of its 6 layers (layer 5 global, llama.cpp's
+default pattern), a second RoPE base on the local layers, QK-norm, sandwich norms and GELU-tanh;
+prompts of 40-300 tokens cross the window many times. Every norm weight is random (transformers
+initialises them to the identity), so a norm applied wrongly moves the logits. Guards check that
+the window and the QK-norm matter: without them the logits are far outside the tolerance.
+Cold == warm: the engine's logits with a prefix from the cache past the window equal a cold
+prefill's bit for bit, in the fused kernels' path and in torch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+from hotprefix.model.llama import LlamaModel
+from hotprefix.model.loader import load_model
+
+LOGIT_TOL = 1e-4
+"""Largest |ours - transformers| logit, both fp32 (logits of std ~1)."""
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=32,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              initializer_range=0.1)
+"""head_dim 32 is not hidden / heads (16): read from the file, as the real models need."""
+QWEN3 = dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=1e6)
+GEMMA3 = dict(COMMON, num_hidden_layers=6, num_key_value_heads=1, sliding_window=8,
+              query_pre_attn_scalar=32, rope_parameters={
+                  "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+WINDOW = 8
+
+
+def _llamacpp_src() -> Path | None:
+    cand = os.environ.get("HOTPREFIX_LLAMACPP_SRC") or os.path.join(
+        os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/hotprefix-peers")),
+        "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
+    p = Path(cand)
+    return p if (p / "convert_hf_to_gguf.py").is_file() and (p / "gguf-py").is_dir() else None
+
+
+def _build(kind: str, d: Path, tokenizer):
+    """A random model of ``kind`` saved in ``d`` with the default model's tokenizer; every norm
+    weight random too."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **QWEN3, vocab_size=tokenizer.vocab_size))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **GEMMA3, vocab_size=tokenizer.vocab_size))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if kind == "qwen3" else 0.0))
+    model.save_pretrained(str(d))
+    tokenizer.save_json(str(d / "tokenizer.json"))
+    # the default model's BPE tokenizer, not the class transformers maps gemma3_text to
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _reference(d: Path, kind: str):
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cls = transformers.Qwen3ForCausalLM if kind == "qwen3" else transformers.Gemma3ForCausalLM
+    return cls.from_pretrained(str(d), torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def write_gguf(hf_dir: Path, out: Path) -> Path:
+    """The HF model as ``convert_hf_to_gguf.py`` writes it (fp32), with ``gguf``'s writer:
+    qwen3: llama names plus ``attn_q_norm``/``attn_k_norm``, Q/K rows unpermuted; gemma3: its
+    four norms a layer, every ``*norm.weight`` stored as ``1 + w``, the sliding window. No
+    tokenizer (``vocab_size`` instead: the tests load the HF directory's)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    gemma = cfg["model_type"] == "gemma3_text"
+    arch = "gemma3" if gemma else "qwen3"
+    w = load_file(str(hf_dir / "model.safetensors"))
+    wr = gguf.GGUFWriter(str(out), arch)
+    wr.add_name(f"tiny-{arch}")
+    wr.add_block_count(cfg["num_hidden_layers"])
+    wr.add_context_length(cfg["max_position_embeddings"])
+    wr.add_embedding_length(cfg["hidden_size"])
+    wr.add_feed_forward_length(cfg["intermediate_size"])
+    wr.add_head_count(cfg["num_attention_heads"])
+    wr.add_head_count_kv(cfg["num_key_value_heads"])
+    wr.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    wr.add_key_length(cfg["head_dim"])
+    wr.add_value_length(cfg["head_dim"])
+    if gemma:
+        wr.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+        wr.add_sliding_window(cfg["sliding_window"])
+    else:
+        wr.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    wr.add_vocab_size(cfg["vocab_size"])
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    names.update({"post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"} if gemma else
+                 {"post_attention_layernorm": "ffn_norm"})
+
+    def put(name: str, t: np.ndarray) -> None:
+        if gemma and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # the converter's norm_shift
+        wr.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+
+    put("token_embd.weight", w["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in names.items():
+            put(f"blk.{i}.{gg}.weight", w[f"model.layers.{i}.{hf}.weight"])
+    put("output_norm.weight", w["model.norm.weight"])
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def family_case(request, tmp_path_factory, default_tokenizer):
+    """(kind, HF dir, transformers reference, written GGUF) per family."""
+    kind = request.param
+    d = _build(kind, tmp_path_factory.mktemp(f"tiny-{kind}"), default_tokenizer)
+    return kind, d, _reference(d, kind), write_gguf(d, d.parent / f"tiny-{kind}.gguf")
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    v = default_tokenizer.vocab_size
+    return [torch.randint(0, v, (n,), generator=g).tolist() for n in (300, 40, 23)]
+"""300 tokens: past a key tile of torch's attention (256) with the window inside it and across it."""
+
+
+def _llm(path, tokenizer=None, **kw) -> LLM:
+    opts = dict(dtype="float32", num_blocks=128, block_size=16, max_model_len=1024,
+                enable_prefix_caching=False, num_threads=2)
+    return LLM(str(path), tokenizer=None if tokenizer is None else str(tokenizer), **{**opts, **kw})
+
+
+def _all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prompt through ``model`` over ``llm``'s KV pool."""
+    eng = llm.engine
+    req = eng.add_request(ids, SamplingParams(max_tokens=1))
+    eng.scheduler.waiting.remove(req)
+    assert eng.cache.allocate(req, len(ids), 0)
+    bs, n = eng.block_size, len(ids)
+    bt = eng.cache.block_table(req.request_id)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([bt[p // bs] * bs + p % bs for p in range(n)]),
+        prefills=[PrefillSeq(0, n, n, torch.tensor(bt))])
+    try:
+        return model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta, None)
+    finally:
+        eng.cache.free(req)
+        eng.requests.pop(req.request_id, None)
+
+
+def _theirs(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float()
+
+
+def logits_close(model: LlamaModel, llm: LLM, ref, ids: list[int]) -> float:
+    """Every position's logits within LOGIT_TOL of transformers', argmaxes equal: the largest
+    difference."""
+    ours, theirs = _all_logits(model, llm, ids), _theirs(ref, ids)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    diff = (ours - theirs).abs().max().item()
+    assert diff < LOGIT_TOL, diff
+    return diff
+
+
+def check_against(llm: LLM, ref, prompts: list[list[int]], n: int = 4) -> float:
+    """``logits_close`` on the first prompt, greedy continuations equal on every prompt: the
+    largest logit difference."""
+    diff = logits_close(llm.engine.runner.model, llm, ref, prompts[0])
+    for p in prompts:
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        got = llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+        assert got == want, (len(p), got, want)
+    return diff
+
+
+def test_gguf_matches_transformers(family_case, prompts):
+    kind, d, ref, path = family_case
+    arch = load_model(str(path)).arch
+    assert arch.arch == kind and arch.head_dim == 32
+    if kind == "gemma3":
+        assert arch.sliding_window == WINDOW and arch.local_layers == (0, 1, 2, 3, 4)
+        assert arch.rope_theta == 1e6 and arch.rope_theta_local == 1e4
+        assert arch.attn_scale == 32 ** -0.5
+    llm = _llm(path, tokenizer=d)
+    diff = check_against(llm, ref, prompts)
+    model = llm.engine.runner.model
+    assert model.fused is not None  # the fused kernels' operators ran; now torch's
+    torch_ops = LlamaModel(model.arch, load_model(str(path)).weights, torch.device("cpu"),
+                           torch.float32, fused_kernels=False)
+    diff_torch = logits_close(torch_ops, llm, ref, prompts[0])
+    print(f"{kind} gguf: max |logit diff| {diff:.2e} (fused), {diff_torch:.2e} (torch ops)")
+    # the guards: without the window (gemma3) or the QK-norm (qwen3) the logits are far off
+    if kind == "gemma3":
+        wrong = LlamaModel(dataclasses.replace(model.arch, local_layers=()),
+                           load_model(str(path)).weights, torch.device("cpu"), torch.float32)
+    else:
+        wrong = LlamaModel(model.arch, load_model(str(path)).weights, torch.device("cpu"),
+                           torch.float32)
+        for layer in wrong.layers:
+            del layer["q_norm"], layer["k_norm"]
+    off = (_all_logits(wrong, llm, prompts[0]) - _theirs(ref, prompts[0])).abs().max().item()
+    assert off > 100 * LOGIT_TOL, off
+
+
+def test_hf_dir_matches_transformers(family_case, prompts):
+    """The HF checkpoint loads too (gemma's norms get the 1 the GGUF holds), same numbers."""
+    kind, d, ref, path = family_case
+    hf, gg = load_model(str(d)), load_model(str(path))
+    assert hf.arch.rms_norm_eps == pytest.approx(gg.arch.rms_norm_eps, rel=1e-6)  # fp32 in a GGUF
+    assert dataclasses.replace(hf.arch, rms_norm_eps=gg.arch.rms_norm_eps) == gg.arch
+    name = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(hf.weights[name], gg.weights[name])
+    llm = _llm(d)
+    logits_close(llm.engine.runner.model, llm, ref, prompts[1])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_cold_equals_warm_past_the_window(family_case, prompts, fused):
+    """A prompt's last logits with 48 tokens (6 windows) from the prefix cache equal a cold
+    prefill's, bit for bit; greedy tokens too. Torch's operators: gemma3 (its windows) only."""
+    kind, d, ref, path = family_case
+    if not fused and kind != "gemma3":
+        pytest.skip("torch's operators: the gemma3 case covers them")
+    llm = _llm(path, tokenizer=d, enable_prefix_caching=True, deterministic=True,
+               fused_kernels=fused)
+    eng = llm.engine
+    prompt = prompts[1][:37] + prompts[2][:16]  # 53 tokens: 3 whole blocks cached
+
+    def last_logits(from_cache: bool) -> torch.Tensor:
+        req = eng.add_request(prompt, SamplingParams(max_tokens=1))
+        if not from_cache:
+            eng.reset_prefix_cache()
+        sched = eng.scheduler.schedule()
+        assert sched.chunks[0].start == (48 if from_cache else 0)
+        tables = {c.request.request_id: eng.cache.block_table(c.request.request_id)
+                  for c in sched.chunks}
+        logits, _ = eng.runner.forward_logits(sched.chunks, tables)
+        eng.scheduler.finish(req, "abort")
+        return logits
+
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    cold = llm.generate([prompt], greedy)[0]
+    warm = llm.generate([prompt], greedy)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 48
+    assert cold.token_ids == warm.token_ids
+    assert torch.equal(last_logits(True), last_logits(False))
+    assert eng.cache.pool.num_in_use == 0
+
+
+# ------------------------------------------------------------------ llama.cpp's converter
+@pytest.fixture(scope="module")
+def converted(family_case, tmp_path_factory) -> Path:
+    src = _llamacpp_src()
+    if src is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (unpack it with "
+                    "../shared/tools/llamacpp-peer.sh build, or set HOTPREFIX_LLAMACPP_SRC)")
+    pytest.importorskip("sentencepiece", reason="convert_hf_to_gguf.py imports sentencepiece")
+    kind, d, _, _ = family_case
+    out = tmp_path_factory.mktemp(f"conv-{kind}") / f"tiny-{kind}.gguf"
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(d),
+                        "--outfile", str(out), "--outtype", "f32"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_writer_matches_the_converter(family_case, converted, prompts):
+    """Our writer's tensors (names, shapes, values) and the metadata the loader reads are the
+    converter's; the converter's file runs to the same numbers."""
+    import gguf
+
+    kind, d, ref, path = family_case
+    ours, theirs = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(converted))
+    t_ours = {t.name: np.asarray(t.data) for t in ours.tensors}
+    t_theirs = {t.name: np.asarray(t.data) for t in theirs.tensors}
+    assert set(t_ours) == set(t_theirs)
+    for name, arr in t_ours.items():
+        np.testing.assert_array_equal(arr, t_theirs[name], err_msg=name)
+    a_ours, a_theirs = load_model(str(path)).arch, load_model(str(converted)).arch
+    assert a_ours == dataclasses.replace(a_theirs, vocab_size=a_ours.vocab_size)
+    check_against(_llm(converted, tokenizer=d), ref, prompts[1:])
