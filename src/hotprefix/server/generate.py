@@ -173,7 +173,7 @@ def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -
     rep = report_json(out)
     if state.replica is not None:  # one replica of a fleet (hotprefix.fleet) names itself
         rep["replica"] = state.replica
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    n_prompt, n_out = len(out.prompt_token_ids), out.num_generated_tokens  # every choice's
     state.metrics.observe_finished(route, out.finish_reason, n_prompt, out.num_cached_tokens,
                                    n_out, out.ttft_s, out.e2e_s)
     request_log.info(json.dumps({
