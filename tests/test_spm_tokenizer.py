@@ -355,6 +355,21 @@ def test_chat_template_from_the_file_is_used(tiny, tmp_path):
     assert tok.eos_token_ids >= {v.eos_id, v.tokens.index("<end_of_turn>")}
 
 
+def test_a_chat_template_file_gives_a_base_model_a_chat(tiny, tmp_path):
+    _, _, path, tok = tiny
+    f = tmp_path / "chat.jinja"
+    f.write_text("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    chat = Tokenizer.load(path, chat_template=str(f))
+    ids = chat.encode_chat([{"role": "user", "content": "hi there"}])
+    assert ids == tok.encode("<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n")
+    assert chat.fingerprint != tok.fingerprint  # a template changes the namespace
+    (tmp_path / "empty.jinja").write_text(" ")
+    for bad in (tmp_path / "missing.jinja", tmp_path / "empty.jinja"):
+        with pytest.raises(TokenizerError, match="chat template"):
+            Tokenizer.load(path, chat_template=str(bad))
+
+
 def test_a_vocabulary_it_cannot_build_exactly_is_refused_by_name():
     md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b", "a"]}
     with pytest.raises(spm_vocab.VocabError, match="duplicate"):

@@ -10,7 +10,10 @@ pre-tokenizer, added/special tokens, BOS/EOS handling and the chat template. It 
 prefix cache's namespace, so a tokenizer change can never hit blocks cached under the old one.
 
 A model without a chat template (a base model) has no chat: ``render_chat`` refuses with a
-``TokenizerError`` (the server's 400) that says to send a plain prompt; no template is guessed.
+``TokenizerError`` (the server's 400) that says to send a plain prompt; no template is guessed
+(not even the family's: a guess would silently decide the prompt's tokens). A template file given
+to ``Tokenizer.load(path, chat_template=...)`` is used instead of the tokenizer's own, and
+fingerprinted.
 
 This module knows nothing about the model's weights or the KV cache.
 """
@@ -176,10 +179,16 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
 class Tokenizer:
     """Text <-> token ids, chat templating, and a stable fingerprint."""
 
-    def __init__(self, hf_tokenizer: Any, source: str):
+    def __init__(self, hf_tokenizer: Any, source: str, chat_template: str | None = None):
+        """Args:
+            chat_template: a Jinja chat template used instead of the tokenizer's own (how a base
+                model gets a chat); it is fingerprinted like the tokenizer's own.
+        """
         self._tok = hf_tokenizer
         self.source = source
         self.vocab_size = len(hf_tokenizer)
+        if chat_template:
+            hf_tokenizer.chat_template = chat_template
         self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None)
         eos = set()
         if hf_tokenizer.eos_token_id is not None:
@@ -202,12 +211,25 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str) -> "Tokenizer":
+    def load(cls, path: str, chat_template: str | None = None) -> "Tokenizer":
         """Load from a GGUF file, a HF directory, or a tokenizer.json file.
 
+        Args:
+            chat_template: path of a Jinja chat template file to use instead of the tokenizer's
+                own (vLLM's ``--chat-template``); None keeps the tokenizer's (or none).
         Raises:
-            TokenizerError: the path does not exist or holds no usable tokenizer.
+            TokenizerError: the path does not exist or holds no usable tokenizer, or the chat
+                template file cannot be read.
         """
+        template = None
+        if chat_template:
+            try:
+                with open(chat_template, encoding="utf-8") as f:
+                    template = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"chat template {chat_template!r} unreadable: {e}") from None
+            if not template.strip():
+                raise TokenizerError(f"chat template {chat_template!r} is empty")
         _quiet_hf()
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -239,7 +261,7 @@ class Tokenizer:
             raise
         except Exception as e:  # transformers raises many kinds; give one clear message
             raise TokenizerError(f"could not load a tokenizer from {path}: {e}") from e
-        return cls(tok, path)
+        return cls(tok, path, template)
 
     @property
     def hf(self) -> Any:
