@@ -10,8 +10,9 @@ bytes of the weight tensors the mode keeps in memory.
 Text: the prefix-caching article (``../shared/mission``) then the README, tokenized with the
 model's tokenizer (no special tokens); none of it is in the model's training data.
 
-Modes are ``DTYPE[:WEIGHTS]`` (``float32``, ``bfloat16``, ``bfloat16:int8``; ``default`` = no
-option given, the configuration a user gets). ``--break scale|zero-layer`` damages the loaded
+Modes are ``DTYPE[:WEIGHTS][@KV]`` (``float32``, ``bfloat16``, ``bfloat16:int8``, ``default@int8``;
+``default`` = no option given, the configuration a user gets; ``@KV`` the KV pool's element type,
+``--kv-cache-dtype``). The table names each mode's KV element type and bytes per cached token. ``--break scale|zero-layer`` damages the loaded
 weights (all scaled by 1.01; one layer's MLP zeroed) to check the harness catches a broken
 dequantization: the scores must collapse.
 
@@ -40,7 +41,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TEXTS = [os.path.join(ROOT, "..", "shared", "mission", "prefix-caching-article.txt"),
          os.path.join(ROOT, "README.md")]
 # The modes of the quality table; with the weights option (issue 13) its modes join them.
-MODES = ["default", "bfloat16:mixed", "float32", "bfloat16:dense"]
+MODES = ["default", "default@int8", "bfloat16:mixed", "float32", "bfloat16:dense"]
 WEIGHT_MODES = ["default:int8", "default:int4"]
 BREAKS = ("scale", "zero-layer")
 
@@ -92,7 +93,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=None,
-                    help="comma-separated DTYPE[:WEIGHTS] modes (default: "
+                    help="comma-separated DTYPE[:WEIGHTS][@KV] modes (default: "
                          f"{','.join(MODES)}, plus {','.join(WEIGHT_MODES)} when the weights option exists)")
     ap.add_argument("--positions", type=int, default=2048, help="token positions scored (default 2048)")
     ap.add_argument("--window", type=int, default=quality.DEFAULT_WINDOW,
@@ -138,16 +139,17 @@ def main() -> None:
             gc.collect()
         r = quality.evaluate(runner, windows, refs, m.name)
         dtype = str(runner.dtype).replace("torch.", "")
-        results.append((r, dtype))
+        results.append((r, dtype, runner.kv_dtype.name, runner.bytes_per_token))
         log(f"  {m.name} ({dtype}): top-1 {r.top1_agreement:.2%}, mean KL {r.mean_kl:.3g} "
             f"({time.perf_counter() - t0:.1f}s)")
         del llm, runner
         gc.collect()
 
-    rows = [[r.mode, dtype, f"{r.top1_agreement:.2%}", f"{r.mean_kl:.2e}", f"{r.max_kl:.2e}",
-             r.num_positions, f"{r.weight_bytes / 2**20:,.0f} MiB"] for r, dtype in results]
-    table = common.md_table(["mode", "compute dtype", "top-1 agreement", "mean KL", "max KL",
-                             "positions", "weight memory"], rows)
+    rows = [[r.mode, dtype, kv, f"{bpt:,}", f"{r.top1_agreement:.2%}", f"{r.mean_kl:.2e}",
+             f"{r.max_kl:.2e}", r.num_positions, f"{r.weight_bytes / 2**20:,.0f} MiB"]
+            for r, dtype, kv, bpt in results]
+    table = common.md_table(["mode", "compute dtype", "KV dtype", "KV bytes/token", "top-1 agreement",
+                             "mean KL", "max KL", "positions", "weight memory"], rows)
     note = (f"_against transformers fp32 on the same GGUF, teacher forcing over "
             f"{', '.join(os.path.basename(p) for p in paths)} in windows of {args.window} tokens; "
             f"KL(transformers || ours) in nats; weight memory = bytes of the model's weight tensors "
@@ -162,7 +164,8 @@ def main() -> None:
     common.write_json(args.out or os.path.join(common.RESULTS_DIR, "quality.json"), {
         "benchmark": "quality", "environment": env, "texts": [os.path.basename(p) for p in paths],
         "window": args.window, "damaged": args.break_,
-        "results": [{**r.__dict__, "compute_dtype": dtype} for r, dtype in results],
+        "results": [{**r.__dict__, "compute_dtype": dtype, "kv_cache_dtype": kv,
+                     "kv_bytes_per_token": bpt} for r, dtype, kv, bpt in results],
         "markdown": table})
 
 

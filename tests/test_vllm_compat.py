@@ -35,6 +35,7 @@ VLLM_OPTIONS = {
     "block_size": (32, "block_size", 32),
     "num_gpu_blocks_override": (64, "num_blocks", 64),
     "kv_cache_memory_bytes": (2**28, "kv_cache_memory", 2**28),
+    "kv_cache_dtype": ("int8", "kv_cache_dtype", "int8"),
 }
 NOT_ACCEPTED = "not-an-accepted-value"
 

@@ -51,6 +51,10 @@ def parse_bytes(value: int | str) -> int:
 
 WEIGHT_MODES = ("auto", "gguf", "mixed", "dense", "bf16", "int8", "int4")
 """Accepted ``ModelConfig.weights`` values (see ``hotprefix.model.linear``)."""
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2",
+                   "bfloat16", "float16", "float32")
+"""Accepted ``CacheConfig.kv_cache_dtype`` values (``hotprefix.model.kv_dtype``; the long names
+are aliases; fp8 is refused when the engine starts: no fp8 K/V path on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,17 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block (the unit of caching and of allocation)."""
     kv_cache_memory: str | None = None
-    """KV pool size in bytes (e.g. ``2GiB``); wins over memory_utilization. Default on CPU: 1GiB."""
+    """KV pool size in bytes (e.g. ``2GiB``); wins over memory_utilization. Default on CPU: 1GiB.
+    The pool holds as many tokens as fit at ``kv_cache_dtype``'s bytes per token."""
+    kv_cache_dtype: str = "auto"
+    """Element type of the KV pool (vLLM's ``--kv-cache-dtype``): ``auto`` (16-bit: the compute
+    dtype where it is bf16/fp16, else bf16 -- attention widens K/V to fp32 as it reads them --
+    except fp32 when ``dtype`` float32 is asked for explicitly), ``bf16``, ``fp16`` (torch
+    attention on CPU), ``fp32``, or ``int8`` (half of bf16's bytes and 4 more per token and KV
+    head: values scaled by their own row's absmax / 127, read back directly by the C attention).
+    K/V are rounded once when written, so cached and recomputed prefixes give the same tokens in
+    every type; the type is part of the cache namespace and of tier entries. ``fp8`` is refused:
+    no fp8 K/V path on CPU, use int8."""
     memory_utilization: float | None = None
     """Fraction of the device's memory for weights + KV pool (CUDA default 0.9)."""
     num_blocks: int | None = None
@@ -266,6 +280,9 @@ class EngineConfig:
             raise ConfigError("kv_store needs hash_algo='sha256' (tier keys must be the same in every process)")
         if c.kv_events_format not in ("array", "map"):
             raise ConfigError(f"kv_events_format must be 'array' or 'map', got {c.kv_events_format!r}")
+        if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be auto, bf16, fp16, fp32, int8 or fp8, "
+                              f"got {c.kv_cache_dtype!r}")
         if c.hash_algo not in ("sha256", "fast"):
             raise ConfigError(f"hash_algo must be 'sha256' or 'fast', got {c.hash_algo!r}")
         if s.max_num_seqs < 1:

@@ -37,21 +37,30 @@ class QualityMode:
     weights: str | None = None
     """Weights mode, as ``LLM(weights=...)`` (``auto``, ``gguf``, ``mixed``, ``bf16``, ``int8``, ``int4``); None = the
     option is not passed (the configuration's default)."""
+    kv_cache_dtype: str | None = None
+    """The KV pool's element type, as ``LLM(kv_cache_dtype=...)`` (``bf16``, ``int8``...); None = not
+    passed (``auto``)."""
 
     @property
     def name(self) -> str:
         short = DTYPE_NAMES.get(self.dtype, self.dtype) if self.dtype is not None else "default"
-        return short if self.weights is None else f"{short} / weights {self.weights}"
+        name = short if self.weights is None else f"{short} / weights {self.weights}"
+        return name if self.kv_cache_dtype is None else f"{name} / KV {self.kv_cache_dtype}"
 
     @classmethod
     def parse(cls, spec: str) -> "QualityMode":
-        """``DTYPE[:WEIGHTS]`` (``float32``, ``bfloat16:int8``; ``default`` = no dtype given)."""
+        """``DTYPE[:WEIGHTS][@KV]`` (``float32``, ``bfloat16:int8``, ``default@int8``; ``default`` =
+        no dtype given)."""
+        spec, _, kv = spec.partition("@")
         dtype, _, weights = spec.partition(":")
-        return cls(None if dtype in ("", "default") else dtype, weights or None)
+        return cls(None if dtype in ("", "default") else dtype, weights or None, kv or None)
 
     def llm_options(self) -> dict[str, Any]:
         """The ``LLM(...)`` options of this mode (see ``llm_options``)."""
-        return llm_options(self.dtype, self.weights)
+        opts = llm_options(self.dtype, self.weights)
+        if self.kv_cache_dtype is not None:
+            opts["kv_cache_dtype"] = self.kv_cache_dtype
+        return opts
 
 
 def supports_weights_option() -> bool:

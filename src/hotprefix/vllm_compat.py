@@ -38,6 +38,7 @@ OPTIONS: dict[str, str] = {
     "block_size": "block_size",
     "num_gpu_blocks_override": "num_blocks",
     "kv_cache_memory_bytes": "kv_cache_memory",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 """vLLM engine option -> hotprefix config field (the same setting; same name where both agree)."""
 
@@ -82,7 +83,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                "safetensors)", ("auto",)),
     "tokenizer_mode": Unsupported("the tokenizer is a tokenizer.json (fast); tokenizer= picks another",
                                   ("auto",)),
-    "kv_cache_dtype": Unsupported("the KV pool is kept in the compute dtype: set dtype", ("auto",)),
     "prefix_caching_hash_algo": Unsupported("hash_algo ('sha256' or 'fast')", ("sha256",)),
     "swap_space": Unsupported("a preempted request is recomputed, never swapped; a host-memory tier "
                               "below the pool is kv_store=['host:4GiB'] (--kv-store host:4GiB)", (0,)),

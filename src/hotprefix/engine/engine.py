@@ -396,7 +396,8 @@ class LLMEngine:
         """The operator's cache statistics, or with ``tenant_salt`` one tenant's own view."""
         common = dict(model_fingerprint=self.model_fingerprint,
                       tokenizer_fingerprint=self.tokenizer_fingerprint,
-                      namespace=self.namespace.hex()[:16], bytes_per_token=self.runner.bytes_per_token)
+                      namespace=self.namespace.hex()[:16], bytes_per_token=self.runner.bytes_per_token,
+                      kv_cache_dtype=self.runner.kv_dtype.name)
         if tenant_salt is not ALL_TENANTS:
             return {**self.cache.tenant_snapshot(tenant_salt), **common}  # type: ignore[arg-type]
         s = self.cache.snapshot()

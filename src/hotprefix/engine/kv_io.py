@@ -1,9 +1,10 @@
 """Moves whole KV blocks between the runner's pool tensors and bytes, for the KV tiers.
 
 One block's payload is the K and V of every layer for that block's ``block_size`` slots, in the
-pool's dtype, laid out ``[layer][k|v][slot][kv_head][head_dim]``. The ``layout`` string names
-everything that shapes those bytes (dtype, layers, KV heads, head dim, block size), so a tier entry
-written by another layout is never read back. Reads and writes gather/scatter many blocks with
+pool's element type, laid out ``[layer][k|v][slot][kv_head][row]`` (a row: ``head_dim`` values, and
+for int8 the row's scale, ``hotprefix.model.kv_dtype``). The ``layout`` string names everything that
+shapes those bytes (KV element type, layers, KV heads, head dim, block size), so a tier entry
+written by another layout (an int8 block in a bf16 pool, say) is never read back. Reads and writes gather/scatter many blocks with
 one indexed copy per layer and tensor. Loads go through one staging buffer, allocated and touched
 when the tiers open and reused for every load: a fresh process's first load would otherwise pay
 the page faults of a new buffer as large as the prompt's K/V, which is most of a load's time on a
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from hotprefix.config import CacheConfig, ConfigError, parse_bytes
+from hotprefix.model.kv_dtype import head_dim_of, kv_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +36,19 @@ class KVBlockIO:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         self.kv_caches = kv_caches
         k0 = kv_caches[0][0]
-        _, self.block_size, self.num_kv_heads, self.head_dim = k0.shape
+        _, self.block_size, self.num_kv_heads, row = k0.shape
+        self.head_dim = head_dim_of(k0)
         self.dtype = k0.dtype
         self.device = k0.device
         self.num_layers = len(kv_caches)
-        self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, row)
         self.payload_len = k0[0].numel() * k0.element_size() * 2 * self.num_layers
         self._staging = torch.zeros((STAGING_BLOCKS, self.payload_len), dtype=torch.uint8)
-        self.layout = (f"kv{LAYOUT_VERSION}/{str(self.dtype).replace('torch.', '')}/L{self.num_layers}"
+        kv = kv_dtype_of(k0)
+        # 16-bit and fp32 pools keep the tag they always had; int8 names its scale layout
+        elem = (str(self.dtype).replace("torch.", "") if not kv.quantized
+                else f"{kv.name}-s{kv.row_extra}")
+        self.layout = (f"kv{LAYOUT_VERSION}/{elem}/L{self.num_layers}"
                        f"/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}")
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:

@@ -23,6 +23,7 @@ from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq, padded_len
 from hotprefix.model.dtype_probe import probed_cpu_dtype
 from hotprefix.model.fused import library
+from hotprefix.model.kv_dtype import resolve_kv_dtype
 from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
@@ -100,28 +101,31 @@ class ModelRunner:
                         and library() is not None
                         and resolve_weights("auto", self.device, torch.bfloat16) == "gguf")
         self.dtype = pick_dtype(model_cfg.dtype, self.device, gguf_default)
+        self.kv_dtype = kv = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype, self.device,
+                                              explicit_dtype=model_cfg.dtype != "auto")
+        """The pool's element type (``CacheConfig.kv_cache_dtype``)."""
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
-                                model_cfg.fused_kernels, loaded.blocks)
+                                model_cfg.fused_kernels, loaded.blocks, kv)
         self.block_size = bs = cache_cfg.block_size
-        dbytes = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = arch.kv_bytes_per_token(dbytes)
+        self.bytes_per_token = kv.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        """Pool bytes a cached token costs (K and V of every layer, int8 scales included)."""
         self.weights_bytes = self.model.weight_bytes()
         self.num_blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, self.weights_bytes, self.device)
-        shape = (self.num_blocks, bs, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        shape = (self.num_blocks, bs, arch.num_kv_heads, kv.row(arch.head_dim))
+        self.kv_caches = [(torch.zeros(shape, dtype=kv.torch_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv.torch_dtype, device=self.device))
                           for _ in range(arch.num_layers)]
         self.capacity_tokens = self.num_blocks * bs
         self.numerics = self.model.numerics
         """What the K/V values depend on besides the weights (``LlamaModel.numerics``)."""
         log.info("weights: %s, %.1f MiB held; GEMMs padded to %d rows (batch-invariant)",
                  self.numerics, self.weights_bytes / 2**20, self.model.min_rows)
-        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s %s",
-                 self.num_blocks, bs, self.capacity_tokens,
+        log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s, "
+                 "K/V in %s", self.num_blocks, bs, self.capacity_tokens,
                  self.num_blocks * bs * self.bytes_per_token / 2**20, self.bytes_per_token,
-                 self.device, str(self.dtype).replace("torch.", ""))
+                 self.device, kv.name)
 
     # ------------------------------------------------------------------ one step
     def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]

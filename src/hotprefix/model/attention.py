@@ -18,8 +18,8 @@ row-invariant only under two conditions, which every call here meets:
   short chunks and single decode tokens are padded with copies of their last row. It is
   ``MIN_Q_ROWS`` in a 16-bit dtype and probed in fp32 (4 on this project's CPU).
 
-The arithmetic runs in the queries' dtype: K/V are read from the pool (bf16 in a 16-bit engine) and
-widened when the queries are fp32, which a CPU engine always passes (``attention_dtype``): on CPUs
+The arithmetic runs in the queries' dtype: K/V are read from the pool (bf16 by default, or int8 rows
+with a scale, dequantized as they are gathered: ``kv_dtype.py``) and widened when the queries are fp32, which a CPU engine always passes (``attention_dtype``): on CPUs
 without AMX, torch's fp32 kernel is as fast as its bf16 one on prefill tiles and faster on the few
 rows of a decode step, and the probabilities are not rounded to bf16 before they weight V.
 
@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from hotprefix.model.kv_dtype import from_pool, head_dim_of, to_pool
 
 KV_TILE = 256
 """Key-count granularity: a query at position p attends ``padded_len(p + 1)`` keys, and a prefill
@@ -266,14 +268,16 @@ def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype, window: int = 0) -> 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    nh, hd = k_cache.shape[-2], k_cache.shape[-1]
+    """K and V ``[num_tokens, nkv, hd]`` rounded to the pool's element type (``kv_dtype.to_pool``:
+    once, here) and written at the slot mapping's slots."""
+    nh, row = k_cache.shape[-2], k_cache.shape[-1]
     slots = meta.slot_mapping
     k, v = k[: slots.shape[0]], v[: slots.shape[0]]  # rows past the mapping pad the GEMMs only
     if meta.has_padding:
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, nh, hd).index_copy_(0, slots, k)
-    v_cache.view(-1, nh, hd).index_copy_(0, slots, v)
+    k_cache.view(-1, nh, row).index_copy_(0, slots, to_pool(k, k_cache))
+    v_cache.view(-1, nh, row).index_copy_(0, slots, to_pool(v, v_cache))
 
 
 class GatherScratch:
@@ -308,9 +312,9 @@ class GatherScratch:
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, nblocks] block ids -> K and V, each [B, nkv, nblocks * block_size, hd] in ``dtype``,
         in this scratch's buffers (valid until its next gather)."""
-        nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+        nkv, hd = k_cache.shape[-2], head_dim_of(k_cache)
         idx = table.reshape(-1)
-        n, per = idx.numel(), k_cache[0].numel()
+        n, per = idx.numel(), k_cache.shape[1] * nkv * hd
         outs = [self._take(name, n * per, dtype, k_cache.device).view(n, per) for name in "kv"]
         if self.widen is not None and dtype == torch.float32 and dtype != k_cache.dtype:
             self.widen(k_cache, v_cache, idx.contiguous(), *outs)  # skips PAD_BLOCK entries
@@ -321,20 +325,23 @@ class GatherScratch:
 
     def _gather_torch(self, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
                       outs: list[torch.Tensor]) -> None:
-        """index_select into ``outs``; widened through the staging buffer when the dtypes differ."""
+        """index_select into ``outs``; widened (int8: dequantized) through the staging buffer when
+        the dtypes differ."""
         n, per = outs[0].shape
-        flats = [c.view(c.shape[0], per) for c in (k_cache, v_cache)]
+        pin = k_cache[0].numel()  # a block's elements in the pool (int8: the scales too)
+        flats = [c.view(c.shape[0], pin) for c in (k_cache, v_cache)]
         if outs[0].dtype == k_cache.dtype:
             for flat, out in zip(flats, outs):
                 torch.index_select(flat, 0, idx, out=out)
             return
-        stage = self._take("stage", min(n, self.STAGE_BLOCKS) * per, k_cache.dtype, k_cache.device)
-        stage = stage.view(-1, per)
+        stage = self._take("stage", min(n, self.STAGE_BLOCKS) * pin, k_cache.dtype, k_cache.device)
+        stage = stage.view(-1, pin)
+        rows = k_cache.shape[1:]
         for flat, out in zip(flats, outs):
             for s in range(0, n, self.STAGE_BLOCKS):
                 e = min(s + self.STAGE_BLOCKS, n)
                 torch.index_select(flat, 0, idx[s:e], out=stage[: e - s])
-                out[s:e].copy_(stage[: e - s])
+                out[s:e].copy_(from_pool(stage[: e - s].view(e - s, *rows), out.dtype).view(e - s, per))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -353,7 +360,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scratch = scratch or GatherScratch()
 
     gqa = q.shape[1] != k_cache.shape[-2]
-    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    nkv, hd = k_cache.shape[-2], q.shape[-1]
     g = q.shape[1] // nkv
     rows = max(g, min_q_rows(dt))
     for grp in meta.decode_groups(k_cache.shape[1], dt, window):

@@ -1,7 +1,8 @@
 /* Paged attention read straight from the K/V pool, every query row in one fixed order.
  *
  * A query at position p attends keys 0..p of its sequence, read through its block table from the
- * pool [blocks][block_size][nkv][hd] (bf16 or fp32, widened to fp32 as read). Keys are taken in
+ * pool [blocks][block_size][nkv][row] (bf16, fp32, or int8 rows with a scale: kvpool.h; widened to
+ * fp32 as read, an int8 value as (float)q * scale). Keys are taken in
  * chunks of CH at fixed positions (chunk c holds keys [c*CH, c*CH + CH)), and for each query:
  *
  *   s[k]  = sum over d, in order, of fma(q[d] * scale, K[k][d], .)       (one chain per key)
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "isa.h"
+#include "kvpool.h"
 
 #define CH 16        /* keys per chunk */
 #define QB 8         /* query vectors scored together: independent FMA chains */
@@ -39,8 +41,10 @@
 #define VECTOR_UPDATE(hd, portable) 0
 #endif
 
-static inline float widen_at(const void *cache, int bf16, int64_t i) {
-    if (bf16) {
+/* Element i of a pool of kind kv as fp32 (scale: its row's, for int8). */
+static inline float widen_at(const void *cache, int kv, int64_t i, float scale) {
+    if (kv == KV_INT8) return (float)((const int8_t *)cache)[i] * scale;
+    if (kv == KV_BF16) {
         uint32_t b = (uint32_t)((const uint16_t *)cache)[i] << 16;
         float f;
         memcpy(&f, &b, sizeof f);
@@ -52,11 +56,11 @@ static inline float widen_at(const void *cache, int bf16, int64_t i) {
 /* Offsets in the pool of the rows of keys k0 .. k0 + nk for KV head h, through the sequence's
  * table: one division for the chunk, not one a key (a 64-bit division costs tens of cycles, and a
  * decode's chunk is only a few hundred cycles of arithmetic). */
-static inline void key_bases(const int64_t *table, int64_t bs, int64_t nkv, int64_t hd, int64_t h,
+static inline void key_bases(const int64_t *table, int64_t bs, int64_t nkv, int64_t rs, int64_t h,
                              int64_t k0, int64_t nk, int64_t *out) {
     int64_t b = k0 / bs, o = k0 % bs;
     for (int64_t k = 0; k < nk; k++) {
-        out[k] = ((table[b] * bs + o) * nkv + h) * hd;
+        out[k] = ((table[b] * bs + o) * nkv + h) * rs; /* rs: elements of a row (kv_row) */
         if (++o == bs) o = 0, b++;
     }
 }
@@ -132,23 +136,32 @@ static inline void transpose16(__m512 *r) {
     }
 }
 
-/* 16 values of a pool (bf16 or fp32) from element i, as fp32. */
-static inline __m512 value16(const void *vc, int bf16, int64_t i) {
-    return bf16 ? widen16(vc, i) : _mm512_loadu_ps((const float *)vc + i);
+/* 16 values of a pool of kind kv from element i, as fp32 (an int8 row's scale: scale). */
+static inline __m512 value16(const void *vc, int kv, int64_t i, float scale) {
+    if (kv == KV_INT8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)vc + i));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
+    }
+    return kv == KV_BF16 ? widen16(vc, i) : _mm512_loadu_ps((const float *)vc + i);
 }
 
 /* Head dimensions db..db+15 of a chunk's keys (pool rows kb[0..nk), zeros past nk), transposed:
  * r[d] holds dimension db + d of the 16 keys. */
-static inline void keys_transposed16(__m512 *r, const void *kc, int bf16, const int64_t *kb,
-                                     int64_t nk, int64_t db) {
+static inline void keys_transposed16(__m512 *r, const void *kc, int kv, const int64_t *kb,
+                                     const float *ks, int64_t nk, int64_t db) {
     for (int64_t k = 0; k < CH; k++)
-        r[k] = k < nk ? value16(kc, bf16, kb[k] + db) : _mm512_setzero_ps();
+        r[k] = k < nk ? value16(kc, kv, kb[k] + db, ks[k]) : _mm512_setzero_ps();
     transpose16(r);
 }
 #elif defined(HP_AVX2) /* a chunk is two halves of 8 keys, a __m256 each */
-/* 8 values of a pool (bf16 or fp32) from element i, as fp32 (bf16 shifted into the high half). */
-static inline __m256 value8(const void *vc, int bf16, int64_t i) {
-    if (!bf16) return _mm256_loadu_ps((const float *)vc + i);
+/* 8 values of a pool of kind kv from element i, as fp32 (bf16 shifted into the high half; int8
+ * times its row's scale). */
+static inline __m256 value8(const void *vc, int kv, int64_t i, float scale) {
+    if (kv == KV_INT8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)vc + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
+    }
+    if (kv == KV_FP32) return _mm256_loadu_ps((const float *)vc + i);
     const __m128i b = _mm_loadu_si128((const __m128i *)((const uint16_t *)vc + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
@@ -194,17 +207,19 @@ static inline void transpose8(__m256 *r) {
 }
 
 /* Head dimensions db..db+7 of a chunk's keys (pool rows kb[0..nk), zeros past nk), transposed
- * into u for key_dim8. bf16 rows are transposed as 16-bit words, loaded in pairs to 128-bit lanes
+ * into u for key_dim8 (ks: the keys' int8 scales; int8 rows are widened as they load, as fp32
+ * rows are read). bf16 rows are transposed as 16-bit words, loaded in pairs to 128-bit lanes
  * (keys i | i+4, then i+4 | i+8), so that widening them by unpacking with zeros (value8's shift)
  * leaves the keys in order; key_dim8 widens each dimension where it is used (fewer registers). */
 static inline __attribute__((always_inline)) void keys_transposed8(__m256i *u, const void *kc,
-                                                                   int bf16, const int64_t *kb,
-                                                                   int64_t nk, int64_t db) {
-    if (!bf16) { /* u[2d + h]: dimension db + d of keys 8h..8h+7 */
+                                                                   int kv, const int64_t *kb,
+                                                                   const float *ks, int64_t nk,
+                                                                   int64_t db) {
+    if (kv != KV_BF16) { /* u[2d + h]: dimension db + d of keys 8h..8h+7 (fp32, int8 widened) */
         for (int h = 0; h < 2; h++) {
             __m256 x[8];
             for (int k = 0; k < 8; k++)
-                x[k] = 8 * h + k < nk ? _mm256_loadu_ps((const float *)kc + kb[8 * h + k] + db)
+                x[k] = 8 * h + k < nk ? value8(kc, kv, kb[8 * h + k] + db, ks[8 * h + k])
                                       : _mm256_setzero_ps();
             transpose8(x);
             for (int d = 0; d < 8; d++) u[2 * d + h] = _mm256_castps_si256(x[d]);
@@ -233,28 +248,30 @@ static inline __attribute__((always_inline)) void keys_transposed8(__m256i *u, c
 }
 
 /* Dimension db + d of keys 8h..8h+7, from keys_transposed8's u. */
-static inline __attribute__((always_inline)) __m256 key_dim8(const __m256i *u, int bf16, int d,
+static inline __attribute__((always_inline)) __m256 key_dim8(const __m256i *u, int kv, int d,
                                                              int h) {
-    if (!bf16) return _mm256_castsi256_ps(u[2 * d + h]);
+    if (kv != KV_BF16) return _mm256_castsi256_ps(u[2 * d + h]);
     const __m256i w = u[4 * h + d / 2], z = _mm256_setzero_si256();
     return _mm256_castsi256_ps(d & 1 ? _mm256_unpackhi_epi16(z, w) : _mm256_unpacklo_epi16(z, w));
 }
 #endif
 
-/* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32; keys nk..CH zeroed (past
+/* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32 (ks, vs: the keys' int8
+ * scales); keys nk..CH zeroed (past
  * every row's keys: masked, zeros keep the score chains finite). Where chunk_update's AVX-512
  * path runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
-static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int bf16, int64_t hd,
-                       const int64_t *kb, int64_t nk, int portable) {
+static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int kv, int64_t hd,
+                       const int64_t *kb, const float *ks, const float *vs, int64_t nk,
+                       int portable) {
 #ifdef HP_AVX512
     if (!portable && hd % CH == 0) {
         const int copy_v = !VECTOR_UPDATE(hd, portable);
         for (int64_t db = 0; db < hd; db += CH) {
             for (int64_t k = 0; copy_v && k < CH; k++)
                 _mm512_storeu_ps(vch + k * hd + db,
-                                 k < nk ? value16(vc, bf16, kb[k] + db) : _mm512_setzero_ps());
+                                 k < nk ? value16(vc, kv, kb[k] + db, vs[k]) : _mm512_setzero_ps());
             __m512 r[CH];
-            keys_transposed16(r, kc, bf16, kb, nk, db);
+            keys_transposed16(r, kc, kv, kb, ks, nk, db);
             for (int64_t d = 0; d < CH; d++) _mm512_storeu_ps(kt + (db + d) * CH, r[d]);
         }
         return;
@@ -264,12 +281,12 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
         for (int64_t db = 0; db < hd; db += 8) {
             for (int64_t k = 0; k < CH; k++)
                 _mm256_storeu_ps(vch + k * hd + db,
-                                 k < nk ? value8(vc, bf16, kb[k] + db) : _mm256_setzero_ps());
+                                 k < nk ? value8(vc, kv, kb[k] + db, vs[k]) : _mm256_setzero_ps());
             __m256i u[16];
-            keys_transposed8(u, kc, bf16, kb, nk, db);
+            keys_transposed8(u, kc, kv, kb, ks, nk, db);
             for (int d = 0; d < 8; d++)
                 for (int h = 0; h < 2; h++)
-                    _mm256_storeu_ps(kt + (db + d) * CH + 8 * h, key_dim8(u, bf16, d, h));
+                    _mm256_storeu_ps(kt + (db + d) * CH + 8 * h, key_dim8(u, kv, d, h));
         }
         return;
     }
@@ -281,8 +298,8 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
         }
         const int64_t base = kb[k];
         for (int64_t d = 0; d < hd; d++) {
-            kt[d * CH + k] = widen_at(kc, bf16, base + d);
-            vch[k * hd + d] = widen_at(vc, bf16, base + d);
+            kt[d * CH + k] = widen_at(kc, kv, base + d, ks[k]);
+            vch[k * hd + d] = widen_at(vc, kv, base + d, vs[k]);
         }
     }
 }
@@ -301,8 +318,9 @@ static inline __attribute__((always_inline)) void scores_avx(const float *qs, co
 /* O = O * alpha, then O += p[k] V[k] for the chunk's keys in order, V read from the pool (rows
  * kb[k]), for nvec (a constant where inlined) vectors at once, each taking keys 0..nv: the value
  * rows' loads are shared by the vectors while k < kmin (the fewest keys any of them takes). */
-static inline __attribute__((always_inline)) void pv_avx(const void *vc, int bf16,
-                                                         const int64_t *kb, int64_t hd,
+static inline __attribute__((always_inline)) void pv_avx(const void *vc, int kv,
+                                                         const int64_t *kb, const float *vs,
+                                                         int64_t hd,
                                                          const float (*p)[CH], const float *alpha,
                                                          const int *nv, int kmin, float **o,
                                                          const int nvec) {
@@ -314,8 +332,9 @@ static inline __attribute__((always_inline)) void pv_avx(const void *vc, int bf1
         }
         for (int k = 0; k < kmin; k++) {
             const int64_t vr = kb[k] + d0;
-            const __m512 v0 = value16(vc, bf16, vr), v1 = value16(vc, bf16, vr + 16),
-                         v2 = value16(vc, bf16, vr + 32), v3 = value16(vc, bf16, vr + 48);
+            const float sk = vs[k];
+            const __m512 v0 = value16(vc, kv, vr, sk), v1 = value16(vc, kv, vr + 16, sk),
+                         v2 = value16(vc, kv, vr + 32, sk), v3 = value16(vc, kv, vr + 48, sk);
             for (int v = 0; v < nvec; v++) {
                 const __m512 pk = _mm512_set1_ps(p[v][k]);
                 a[v][0] = _mm512_fmadd_ps(pk, v0, a[v][0]);
@@ -328,7 +347,8 @@ static inline __attribute__((always_inline)) void pv_avx(const void *vc, int bf1
             for (int k = kmin; k < nv[v]; k++) {
                 const __m512 pk = _mm512_set1_ps(p[v][k]);
                 for (int c = 0; c < 4; c++)
-                    a[v][c] = _mm512_fmadd_ps(pk, value16(vc, bf16, kb[k] + d0 + 16 * c), a[v][c]);
+                    a[v][c] = _mm512_fmadd_ps(pk, value16(vc, kv, kb[k] + d0 + 16 * c, vs[k]),
+                                              a[v][c]);
             }
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[v] + d0 + 16 * c, a[v][c]);
         }
@@ -339,12 +359,12 @@ static inline __attribute__((always_inline)) void pv_avx(const void *vc, int bf1
  * past nk) and transposed in registers, 16 head dimensions at a time: the same chains, with no
  * store and reload of the transposed chunk, which only these few vectors would read. */
 static inline __attribute__((always_inline)) void scores_pool_avx(
-    const float *qs, const void *kc, int bf16, const int64_t *kb, int64_t nk, int64_t hd,
-    __m512 *s, const int nb) {
+    const float *qs, const void *kc, int kv, const int64_t *kb, const float *ks, int64_t nk,
+    int64_t hd, __m512 *s, const int nb) {
     for (int b = 0; b < nb; b++) s[b] = _mm512_setzero_ps();
     for (int64_t db = 0; db < hd; db += CH) {
         __m512 r[CH];
-        keys_transposed16(r, kc, bf16, kb, nk, db);
+        keys_transposed16(r, kc, kv, kb, ks, nk, db);
         for (int d = 0; d < CH; d++)
             for (int b = 0; b < nb; b++)
                 s[b] = _mm512_fmadd_ps(_mm512_set1_ps(qs[b * hd + db + d]), r[d], s[b]);
@@ -355,16 +375,16 @@ static inline __attribute__((always_inline)) void scores_pool_avx(
  * over d per key, the keys read from kt, or (pool) from the pool and transposed in registers, as
  * scores_pool_avx does for a decode's few vectors. */
 static inline __attribute__((always_inline)) void scores_avx2(
-    const float *qs, const float *kt, const void *kc, int bf16, const int64_t *kb, int64_t nk,
-    int64_t hd, __m256 (*s)[2], const int nb, const int pool) {
+    const float *qs, const float *kt, const void *kc, int kv, const int64_t *kb, const float *ks,
+    int64_t nk, int64_t hd, __m256 (*s)[2], const int nb, const int pool) {
     for (int b = 0; b < nb; b++) s[b][0] = s[b][1] = _mm256_setzero_ps();
     for (int64_t db = 0; db < hd; db += 8) {
         __m256i u[16];
-        if (pool) keys_transposed8(u, kc, bf16, kb, nk, db);
+        if (pool) keys_transposed8(u, kc, kv, kb, ks, nk, db);
         for (int d = 0; d < 8; d++) {
             __m256 r0, r1;
             if (pool) {
-                r0 = key_dim8(u, bf16, d, 0), r1 = key_dim8(u, bf16, d, 1);
+                r0 = key_dim8(u, kv, d, 0), r1 = key_dim8(u, kv, d, 1);
             } else { /* kept in registers: folded into each FMA (gcc), the loads bound the loop */
                 const float *kd = kt + (db + d) * CH;
                 r0 = _mm256_loadu_ps(kd), r1 = _mm256_loadu_ps(kd + 8);
@@ -380,9 +400,11 @@ static inline __attribute__((always_inline)) void scores_avx2(
 }
 
 /* pv_avx on 8-lane registers, 16 head dimensions a pass (nvec x 2 accumulators, the value rows
- * and a broadcast within the 16 registers), the value rows at vc + vr[k] (the pool or vch). */
-static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int bf16,
-                                                          const int64_t *vr, int64_t hd,
+ * and a broadcast within the 16 registers), the value rows at vc + vr[k] (the pool or vch; vs:
+ * their int8 scales). */
+static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int kv,
+                                                          const int64_t *vr, const float *vs,
+                                                          int64_t hd,
                                                           const float (*p)[CH], const float *alpha,
                                                           const int *nv, int kmin, float **o,
                                                           const int nvec) {
@@ -394,7 +416,8 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int bf
                 a[v][c] = _mm256_mul_ps(_mm256_loadu_ps(o[v] + d0 + 8 * c), av);
         }
         for (int k = 0; k < kmin; k++) {
-            const __m256 v0 = value8(vc, bf16, vr[k] + d0), v1 = value8(vc, bf16, vr[k] + d0 + 8);
+            const __m256 v0 = value8(vc, kv, vr[k] + d0, vs[k]),
+                         v1 = value8(vc, kv, vr[k] + d0 + 8, vs[k]);
             for (int v = 0; v < nvec; v++) {
                 const __m256 pk = _mm256_set1_ps(p[v][k]);
                 a[v][0] = _mm256_fmadd_ps(pk, v0, a[v][0]);
@@ -405,7 +428,8 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int bf
             for (int k = kmin; k < nv[v]; k++) {
                 const __m256 pk = _mm256_set1_ps(p[v][k]);
                 for (int c = 0; c < 2; c++)
-                    a[v][c] = _mm256_fmadd_ps(pk, value8(vc, bf16, vr[k] + d0 + 8 * c), a[v][c]);
+                    a[v][c] = _mm256_fmadd_ps(pk, value8(vc, kv, vr[k] + d0 + 8 * c, vs[k]),
+                                              a[v][c]);
             }
             for (int c = 0; c < 2; c++) _mm256_storeu_ps(o[v] + d0 + 8 * c, a[v][c]);
         }
@@ -416,7 +440,8 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int bf
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
  * online softmax state (m, l) and accumulators acc[j][hd] updated; vectors >= nq untouched. */
 static void chunk_update(const float *qs, const float *kt, const float *vch, const void *kc,
-                         const void *vc, int bf16, const int64_t *kb, int64_t nk, int64_t hd,
+                         const void *vc, int kv, const int64_t *kb, const float *ks,
+                         const float *vs, int64_t nk, int64_t hd,
                          int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
                          float *m, float *l, float *acc, int portable) {
 #ifdef HP_AVX512
@@ -424,10 +449,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         __m512 s[QB];
         if (nq <= QB / 2) { /* a decode's few vectors: a chain each, kt unused */
             switch (nq) {
-            case 1: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 1); break;
-            case 2: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 2); break;
-            case 3: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, 3); break;
-            default: scores_pool_avx(qs, kc, bf16, kb, nk, hd, s, QB / 2); break;
+            case 1: scores_pool_avx(qs, kc, kv, kb, ks, nk, hd, s, 1); break;
+            case 2: scores_pool_avx(qs, kc, kv, kb, ks, nk, hd, s, 2); break;
+            case 3: scores_pool_avx(qs, kc, kv, kb, ks, nk, hd, s, 3); break;
+            default: scores_pool_avx(qs, kc, kv, kb, ks, nk, hd, s, QB / 2); break;
             }
         } else if (nq - j0 <= QB / 2)
             scores_avx(qs + j0 * hd, kt, hd, s, QB / 2);
@@ -474,10 +499,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
                 o[i - i0] = acc + (j0 + live[i]) * hd;
             }
             switch (nvec) { /* a constant count each: the accumulators stay in registers */
-            case 1: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
-            case 2: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
-            case 3: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
-            default: pv_avx(vc, bf16, kb, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
+            case 1: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
+            case 2: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
+            case 3: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
+            default: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
             }
         }
         return;
@@ -487,14 +512,14 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         __m256 s[QB][2];
         const float *qj = qs + j0 * hd;
         switch (nq <= QB / 2 ? nq : 0) { /* a decode's few vectors: kt unused */
-        case 1: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 1, 1); break;
-        case 2: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 2, 1); break;
-        case 3: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 3, 1); break;
-        case 4: scores_avx2(qs, kt, kc, bf16, kb, nk, hd, s, 4, 1); break;
+        case 1: scores_avx2(qs, kt, kc, kv, kb, ks, nk, hd, s, 1, 1); break;
+        case 2: scores_avx2(qs, kt, kc, kv, kb, ks, nk, hd, s, 2, 1); break;
+        case 3: scores_avx2(qs, kt, kc, kv, kb, ks, nk, hd, s, 3, 1); break;
+        case 4: scores_avx2(qs, kt, kc, kv, kb, ks, nk, hd, s, 4, 1); break;
         default: /* 4 vectors a pass: 8 chains, in the registers with the keys */
-            scores_avx2(qj, kt, kc, bf16, kb, nk, hd, s, QB / 2, 0);
+            scores_avx2(qj, kt, kc, kv, kb, ks, nk, hd, s, QB / 2, 0);
             if (nq - j0 > QB / 2)
-                scores_avx2(qj + QB / 2 * hd, kt, kc, bf16, kb, nk, hd, s + QB / 2, QB / 2, 0);
+                scores_avx2(qj + QB / 2 * hd, kt, kc, kv, kb, ks, nk, hd, s + QB / 2, QB / 2, 0);
         }
         int live[QB], nv[QB], nlive = 0;
         float mo[QB] = {0}, mc[QB] = {0}, mn[QB], alpha[QB], p[QB][CH];
@@ -539,9 +564,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         /* V from vch where load_chunk widened it (nq > QB / 2), else from the pool */
         int64_t vrow[CH];
         for (int k = 0; k < CH; k++) vrow[k] = k * hd;
-        const void *vs = nq > QB / 2 ? vch : vc;
+        const void *vsrc = nq > QB / 2 ? vch : vc;
         const int64_t *vr = nq > QB / 2 ? vrow : kb;
-        const int vbf16 = nq > QB / 2 ? 0 : bf16;
+        const int vkv = nq > QB / 2 ? KV_FP32 : kv;
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
             int kmin = CH;
@@ -551,10 +576,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
                 o[i - i0] = acc + (j0 + live[i]) * hd;
             }
             switch (nvec) {
-            case 1: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
-            case 2: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
-            case 3: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
-            default: pv_avx2(vs, vbf16, vr, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
+            case 1: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
+            case 2: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
+            case 3: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
+            default: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
             }
         }
         return;
@@ -607,7 +632,7 @@ static void merge_state(float *m, float *l, float *o, float ms, float ls, const 
  * is NULL: the merged result, O / l, goes to out; else segment seg0 alone: row i's state (m, l,
  * O) per query head, hd + 2 floats each, goes to parts at slot[i]). */
 static int attend_item(const float *q, float *out, float *parts, const int64_t *slot, int64_t nh,
-                       int64_t g, int64_t hd, int64_t h, const void *kc, const void *vc, int bf16,
+                       int64_t g, int64_t hd, int64_t h, const void *kc, const void *vc, int kv,
                        int64_t bs, int64_t nkv, const int64_t *table, const int64_t *pos,
                        const int64_t *rows, int64_t nr, int64_t seg0, float scale, int portable) {
     const int64_t nq = nr * g, nqp = (nq + QB - 1) / QB * QB;
@@ -625,7 +650,7 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         rpos[i] = pos[rows[i]];
         maxpos = rpos[i] > maxpos ? rpos[i] : maxpos;
     }
-    const int64_t k_lo = seg0 * SEG;
+    const int64_t k_lo = seg0 * SEG, rs = kv_row(kv, hd), esize = kv_esize(kv);
     const int64_t k_hi = parts ? (k_lo + SEG - 1 < maxpos ? k_lo + SEG - 1 : maxpos) : maxpos;
     for (int64_t j = 0; j < nqp; j++) { /* vectors past nq repeat the last: scored, unused */
         int64_t jj = j < nq ? j : nq - 1, head = h * g + jj % g;
@@ -649,27 +674,32 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         if (k0 > k_hi) break;
         const int64_t nk = k_hi - k0 + 1 < CH ? k_hi - k0 + 1 : CH;
         int64_t kb[CH];
+        float ks[CH], vs[CH]; /* the keys' int8 scales (K, V) */
         /* later chunks' rows on their way to L2 meanwhile (into L1, the prefetches of a cold pool
          * stalled more than they hid: 16 decodes at 160 keys, 213 against 152 us a layer): at the
          * first chunk the next PREFETCH, then one a chunk */
         for (int64_t ahead = k0 == k_lo ? k0 : k0 + PREFETCH * CH; ahead <= k0 + PREFETCH * CH;
              ahead += CH) {
             const int64_t na = ahead > k_hi ? 0 : k_hi - ahead + 1 < CH ? k_hi - ahead + 1 : CH;
-            key_bases(table, bs, nkv, hd, h, ahead, na, kb);
+            key_bases(table, bs, nkv, rs, h, ahead, na, kb);
             for (int64_t t = 0; t < na; t++) {
-                const char *kr = (const char *)kc + kb[t] * (bf16 ? 2 : 4);
-                const char *vr = (const char *)vc + kb[t] * (bf16 ? 2 : 4);
-                for (int64_t b = 0; b < hd * (bf16 ? 2 : 4); b += 64) {
+                const char *kr = (const char *)kc + kb[t] * esize;
+                const char *vr = (const char *)vc + kb[t] * esize;
+                for (int64_t b = 0; b < rs * esize; b += 64) {
                     __builtin_prefetch(kr + b, 0, 2);
                     __builtin_prefetch(vr + b, 0, 2);
                 }
             }
         }
-        key_bases(table, bs, nkv, hd, h, k0, nk, kb);
+        key_bases(table, bs, nkv, rs, h, k0, nk, kb);
+        for (int64_t k = 0; k < CH; k++) {
+            ks[k] = k < nk ? kv_scale(kc, kv, kb[k], hd) : 1.0f;
+            vs[k] = k < nk ? kv_scale(vc, kv, kb[k], hd) : 1.0f;
+        }
         if (!VECTOR_UPDATE(hd, portable) || nq > QB / 2) /* else chunk_update reads the pool */
-            load_chunk(kt, vch, kc, vc, bf16, hd, kb, nk, portable);
+            load_chunk(kt, vch, kc, vc, kv, hd, kb, ks, vs, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
-            chunk_update(qs, kt, vch, kc, vc, bf16, kb, nk, hd, j0, nq, g, rpos, k0, m, l, acc,
+            chunk_update(qs, kt, vch, kc, vc, kv, kb, ks, vs, nk, hd, j0, nq, g, rpos, k0, m, l, acc,
                          portable);
     }
     for (int64_t j = 0; j < nq; j++) {
@@ -730,7 +760,7 @@ int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t 
 
 /* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
  * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
- * [blocks][bs][nkv][hd], bf16 when bf16 else fp32.
+ * [blocks][bs][nkv][kv_row(kv, hd)] of kind kv (kvpool.h).
  *
  * Consecutive rows of one sequence (a prefill chunk) share a work item per KV head, up to
  * ROW_BLOCK rows. A lone row (a decode) with keys in several segments, when threads share the
@@ -740,7 +770,7 @@ int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t 
  * merged after, in segment order: what an item merging them inline gives, to the bit. The tables
  * must cover the rows (attn_check_tables). Returns 0, or -1 when memory ran out. */
 int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-              const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
+              const void *v_cache, int kv, int64_t bs, const int64_t *tables, int64_t tstride,
               const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
               int portable) {
     const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
@@ -809,7 +839,7 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
         const int64_t r0 = rows[0];
         const int64_t *table = tables + seq[r0] * tstride;
         err |= attend_item(q, out, w.seg < 0 ? NULL : parts, slot_buf, nh, g, hd, h, k_cache,
-                           v_cache, bf16, bs, nkv, table, pos, rows, w.nr,
+                           v_cache, kv, bs, nkv, table, pos, rows, w.nr,
                            w.seg < 0 ? 0 : w.seg, scale, portable);
     }
     /* split rows: their segments' states merged in order, as attend_item merges them inline */
@@ -833,10 +863,10 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
 /* attn_rows on tables checked first: -2 (nothing computed) when a row's keys reach past its
  * block table or a block id is outside the pool's pool_blocks. */
 int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-               const void *v_cache, int bf16, int64_t bs, int64_t pool_blocks,
+               const void *v_cache, int kv, int64_t bs, int64_t pool_blocks,
                const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
                float scale, float *out, int threads, int portable) {
     if (attn_check_tables(n, bs, pool_blocks, tables, tstride, seq, pos)) return -2;
-    return attn_rows(q, n, nh, nkv, hd, k_cache, v_cache, bf16, bs, tables, tstride, seq, pos,
+    return attn_rows(q, n, nh, nkv, hd, k_cache, v_cache, kv, bs, tables, tstride, seq, pos,
                      scale, out, threads, portable);
 }

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "kvpool.h"
 
 #define LANES 16
 #define PAR_MIN_ROWS 32 /* fewer rows run on the calling thread */
@@ -55,22 +56,49 @@ static inline void rope(const float *x, const float *c, const float *s, float *o
     for (int64_t i = half; i < hd; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-static inline void store(void *cache, int bf16, int64_t at, const float *x, int64_t n) {
-    if (bf16) {
-        uint16_t *c = (uint16_t *)cache + at;
-        for (int64_t i = 0; i < n; i++) c[i] = to_bf16(x[i]);
+/* One row of hd values -> int8 at dst: scale = absmax / 127, q = clamp(rint(x / scale), +-127),
+ * the scale's bytes after the values (kv_dtype.quantize_int8: the same bits). Zeros (or a scale
+ * that underflows to 0) store zeros and scale 0; a NaN or infinity stores zeros and a NaN scale. */
+static inline void quantize_row_int8(const float *x, int8_t *dst, int64_t hd) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < hd; i++) {
+        finite &= isfinite(x[i]) != 0;
+        amax = fmaxf(amax, fabsf(x[i]));
+    }
+    float scale = amax / 127.0f;
+    if (finite && scale > 0.0f) {
+        for (int64_t i = 0; i < hd; i++) {
+            float q = rintf(x[i] / scale);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            dst[i] = (int8_t)q;
+        }
     } else {
-        memcpy((float *)cache + at, x, n * sizeof(float));
+        memset(dst, 0, (size_t)hd);
+        if (!finite) scale = NAN;
+    }
+    memcpy(dst + hd, &scale, sizeof scale);
+}
+
+/* Row `row` (of kv_row elements) of a pool <- hd values, rounded to the pool's kind. */
+static inline void store(void *cache, int kv, int64_t row, const float *x, int64_t hd) {
+    if (kv == KV_BF16) {
+        uint16_t *c = (uint16_t *)cache + row * hd;
+        for (int64_t i = 0; i < hd; i++) c[i] = to_bf16(x[i]);
+    } else if (kv == KV_INT8) {
+        quantize_row_int8(x, (int8_t *)cache + row * (hd + KV_INT8_EXTRA), hd);
+    } else {
+        memcpy((float *)cache + row * hd, x, hd * sizeof(float));
     }
 }
 
 /* qkv [rows, (nh + 2 nkv) hd] fp32 -> q_out [rows, nh, hd] fp32 with RoPE; K (RoPE) and V of the
- * rows below n_slots with slot >= 0 written to the pool at slot (pool rows of nkv * hd, bf16 or
- * fp32). cos/sin are [n_pos, hd] tables. Returns the number of rows whose position is outside
+ * rows below n_slots with slot >= 0 written to the pool at slot (pool rows of nkv heads, of kind
+ * kv). cos/sin are [n_pos, hd] tables. Returns the number of rows whose position is outside
  * them: those rows are skipped (nothing read or written), and the caller raises. */
 int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
                       const float *cos_t, const float *sin_t, int64_t n_pos, const int64_t *pos,
-                      float *q_out, void *k_cache, void *v_cache, int bf16, const int64_t *slots,
+                      float *q_out, void *k_cache, void *v_cache, int kv, const int64_t *slots,
                       int64_t n_slots, int threads) {
     int64_t width = (nh + 2 * nkv) * hd, bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS) reduction(+ : bad)
@@ -87,9 +115,9 @@ int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, i
         float k[512];
         for (int64_t h = 0; h < nkv; h++) {
             rope(x + (nh + h) * hd, c, s, k, hd);
-            store(k_cache, bf16, (slot * nkv + h) * hd, k, hd);
+            store(k_cache, kv, slot * nkv + h, k, hd);
+            store(v_cache, kv, slot * nkv + h, x + (nh + nkv + h) * hd, hd);
         }
-        store(v_cache, bf16, slot * nkv * hd, x + (nh + nkv) * hd, nkv * hd);
     }
     return bad;
 }
@@ -138,36 +166,47 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int thre
     }
 }
 
-/* Blocks table[0..n) of the K and V pools [blocks, bs, nkv, hd] (bf16 or fp32) -> k_out, v_out
- * [n, bs, nkv, hd] fp32. A large gather is split over threads by KV head in contiguous ranges, as
+/* gather_widen_kv: blocks of the K and V pools -> fp32. A large gather is split over threads by KV head in contiguous ranges, as
  * torch's attention splits its work, so each core writes the heads it then reads; a small one
  * (a decode step's: 1,024 keys took 70 us on one thread, 96 on two) runs on the calling thread,
  * block by block (a cold 192-key gather: 27-29 us against 36 head by head). */
 #define GATHER_PAR_MIN (1 << 20) /* elements of K below which one thread gathers */
 
-/* len elements at element offset src of a pool (bf16 or fp32) -> fp32 out */
-static inline void widen_run(const void *cache, int bf16, int64_t src, float *out, int64_t len) {
-    if (bf16) {
+/* len elements at element offset src of a pool (bf16 or fp32) -> fp32 out; an int8 pool's rows
+ * of hd values (src, len: whole rows of kv_row elements) -> float(q) * scale each. */
+static inline void widen_run(const void *cache, int kv, int64_t hd, int64_t src, float *out,
+                             int64_t len) {
+    if (kv == KV_BF16) {
         const uint16_t *c = (const uint16_t *)cache + src;
         for (int64_t j = 0; j < len; j++) {
             uint32_t u = (uint32_t)c[j] << 16;
             memcpy(out + j, &u, 4);
+        }
+    } else if (kv == KV_INT8) {
+        const int64_t rs = hd + KV_INT8_EXTRA;
+        for (int64_t r = 0; r < len / rs; r++) {
+            const int8_t *c = (const int8_t *)cache + src + r * rs;
+            float scale;
+            memcpy(&scale, c + hd, sizeof scale);
+            for (int64_t j = 0; j < hd; j++) out[r * hd + j] = (float)c[j] * scale;
         }
     } else {
         memcpy(out, (const float *)cache + src, len * sizeof(float));
     }
 }
 
-void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
+/* Blocks table[0..n) of the K and V pools [blocks, bs, nkv, row] (kind kv) -> k_out, v_out
+ * [n, bs, nkv, hd] fp32 (the threads: above). */
+void gather_widen_kv(const void *k_cache, const void *v_cache, int kv, const int64_t *table,
                      int64_t n, int64_t bs, int64_t nkv, int64_t hd, float *k_out, float *v_out,
                      int threads) {
-    int64_t per = bs * nkv * hd;
+    const int64_t rs = kv_row(kv, hd), per = bs * nkv * hd, pin = bs * nkv * rs;
     if (n * per < GATHER_PAR_MIN) {
         /* whole blocks in turn: long contiguous runs (a decode's blocks are rarely in cache) */
         for (int64_t b = 0; b < n; b++) {
             if (table[b] < 0) continue; /* padding past the sequence: masked, left as is */
-            widen_run(k_cache, bf16, table[b] * per, k_out + b * per, per);
-            widen_run(v_cache, bf16, table[b] * per, v_out + b * per, per);
+            widen_run(k_cache, kv, hd, table[b] * pin, k_out + b * per, pin);
+            widen_run(v_cache, kv, hd, table[b] * pin, v_out + b * per, pin);
         }
         return;
     }
@@ -177,14 +216,14 @@ void gather_widen_kv(const void *k_cache, const void *v_cache, int bf16, const i
     for (int64_t part = 0; part < t; part++) {
         int64_t h0 = part * chunk, h1 = h0 + chunk < nkv ? h0 + chunk : nkv;
         if (h0 >= nkv) continue; /* more threads than head ranges (nkv = 5 on 4 threads) */
-        for (int kv = 0; kv < 2; kv++) {
-            const void *cache = kv ? v_cache : k_cache;
-            float *out = kv ? v_out : k_out;
+        for (int k = 0; k < 2; k++) {
+            const void *cache = k ? v_cache : k_cache;
+            float *out = k ? v_out : k_out;
             for (int64_t b = 0; b < n; b++) {
                 if (table[b] < 0) continue; /* padding past the sequence: masked, left as is */
                 for (int64_t s = 0; s < bs; s++) {
-                    int64_t off = (s * nkv + h0) * hd;
-                    widen_run(cache, bf16, table[b] * per + off, out + b * per + off, (h1 - h0) * hd);
+                    widen_run(cache, kv, hd, table[b] * pin + (s * nkv + h0) * rs,
+                              out + b * per + (s * nkv + h0) * hd, (h1 - h0) * rs);
                 }
             }
         }

@@ -5,10 +5,12 @@ alone is seven, RoPE six, the K/V write and casts eight), each costing microseco
 and a pass over memory, against four GEMMs. Four kernels replace them:
 
 - ``add_rms_norm``: the residual add and the RMSNorm after it, in place on the residual stream;
-- ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's dtype and the write
-  through the slot mapping;
+- ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's element type (bf16,
+  fp32, or int8 with a scale per token and KV head: ``kv_dtype.py``) and the write through the slot
+  mapping;
 - ``silu_mul``: SiLU(gate) * up;
-- ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 pool into fp32 for attention.
+- ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 or int8 pool into fp32 for
+  attention.
 
 ``attn.c`` is attention itself, read straight from the pool (``attention``); ``select.c`` the
 logits' top k (refined in fp32) and argmax (greedy sampling).
@@ -44,6 +46,7 @@ import torch
 from hotprefix.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
 from hotprefix.model.isa import BY_NAME, ISA_ENV, IsaLevel, best_level, compile_flags, requested_level
+from hotprefix.model.kv_dtype import kv_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,9 @@ SOURCES = [Path(__file__).with_name(f)
            for f in ("isa.c", "fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
 (``qlinear.py``), attention, and the logits' top-k and argmax."""
-HEADERS = [Path(__file__).with_name("isa.h")]
-"""Included by the sources (the vector path each level compiles): part of the build key."""
+HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h")]
+"""Included by the sources (the vector path each level compiles; the KV pool's element types):
+part of the build key."""
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
 the libgomp torch already loaded (same soname), so both share one thread pool. The level's -march
@@ -204,7 +208,7 @@ class FusedOps:
         bad = self.lib.rope_write_kv(qkv.data_ptr(), n, self.nh, self.nkv, self.hd, cos.data_ptr(),
                                      sin.data_ptr(), cos.shape[0], positions.data_ptr(), q.data_ptr(),
                                      k_cache.data_ptr(), v_cache.data_ptr(),
-                                     int(k_cache.dtype == torch.bfloat16), slots.data_ptr(),
+                                     kv_kind(k_cache), slots.data_ptr(),
                                      slots.shape[0], self.threads())
         if bad:
             raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
@@ -218,11 +222,11 @@ class FusedOps:
 
     def gather_widen_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
                         k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Blocks ``idx`` (contiguous int64) of the pools [blocks, bs, nkv, hd] -> ``k_out``/``v_out``
-        [len(idx), bs * nkv * hd] fp32."""
+        """Blocks ``idx`` (contiguous int64) of the pools [blocks, bs, nkv, row] -> ``k_out``/``v_out``
+        [len(idx), bs * nkv * hd] fp32 (int8 rows as ``float(q) * scale``)."""
         self.lib.gather_widen_kv(k_cache.data_ptr(), v_cache.data_ptr(),
-                                 int(k_cache.dtype == torch.bfloat16), idx.data_ptr(), idx.numel(),
-                                 k_cache.shape[1], k_cache.shape[2], k_cache.shape[3],
+                                 kv_kind(k_cache), idx.data_ptr(), idx.numel(),
+                                 k_cache.shape[1], k_cache.shape[2], self.hd,
                                  k_out.data_ptr(), v_out.data_ptr(), self.threads())
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -234,7 +238,7 @@ class FusedOps:
         out = torch.empty_like(q)
         err = self.lib.attn_paged(q.data_ptr(), q.shape[0], self.nh, self.nkv, self.hd,
                                   k_cache.data_ptr(), v_cache.data_ptr(),
-                                  int(k_cache.dtype == torch.bfloat16), k_cache.shape[1],
+                                  kv_kind(k_cache), k_cache.shape[1],
                                   k_cache.shape[0], tables.data_ptr(), tables.shape[1],
                                   seq.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
                                   self.threads(), int(portable))
@@ -268,11 +272,20 @@ def check_attention(err: int, what: str) -> None:
         raise MemoryError(f"no memory for the {what}")
 
 
+def kv_kind(cache: torch.Tensor) -> int:
+    """The kernels' ``kv`` code for a pool tensor (``kvpool.h``; fp32, bf16 or int8)."""
+    kind = kv_dtype_of(cache).kind
+    if kind is None:
+        raise ValueError(f"the C kernels do not read a {cache.dtype} KV pool")
+    return kind
+
+
 def fused_ops(enabled: bool, device: torch.device, pool_dtype: torch.dtype, eps: float,
               num_heads: int, num_kv_heads: int, head_dim: int) -> FusedOps | None:
     """The kernels for a model, or None where they do not apply (off, not on CPU, a pool dtype
-    they do not write, a head too large) or cannot be built."""
-    if not enabled or device.type != "cpu" or pool_dtype not in (torch.bfloat16, torch.float32):
+    they do not write: fp16, a head too large) or cannot be built."""
+    if not enabled or device.type != "cpu" or pool_dtype not in (torch.bfloat16, torch.float32,
+                                                                  torch.int8):
         return None
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
         return None

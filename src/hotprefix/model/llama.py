@@ -26,6 +26,7 @@ from hotprefix.model.arch.ops import FusedOps, TorchOps, apply_rope, rms_norm
 from hotprefix.model.attention import (KV_TILE, AttentionMetadata, GatherScratch, attention_dtype,
                                        paged_attention)
 from hotprefix.model.isa import BY_NAME
+from hotprefix.model.kv_dtype import KVDtype, resolve_kv_dtype
 from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, library
 from hotprefix.model.linear import (high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
@@ -95,10 +96,13 @@ class LlamaModel:
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
-                 blocks: dict[str, tuple] | None = None):
+                 blocks: dict[str, tuple] | None = None, kv_dtype: KVDtype | None = None):
         self.arch = arch
         self.family = family(arch.arch)
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_dtype or resolve_kv_dtype("auto", dtype, device, explicit_dtype=True)
+        """The pool's element type (``kv_dtype.py``; None: the compute dtype's), which the K/V
+        writes round to."""
         self.weight_mode = resolve_weights(weight_mode, device, dtype)
         blocks = blocks or {}
         # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py), where
@@ -127,7 +131,8 @@ class LlamaModel:
             self.linear32 = QuantLinear(qlib, self.linear32)
         self.attn_dtype = attention_dtype(device, dtype)
         # the elementwise work in fused C kernels where they build (fp32 attention: CPU only)
-        self.fused = (fused_ops(fused_kernels, device, dtype, arch.rms_norm_eps, arch.num_heads,
+        self.fused = (fused_ops(fused_kernels, device, self.kv_dtype.torch_dtype, arch.rms_norm_eps,
+                                arch.num_heads,
                                 arch.num_kv_heads, arch.head_dim)
                       if self.attn_dtype == torch.float32 else None)
         # attention read straight from the pool in C (attn.c) where the kernels' level has its
@@ -145,14 +150,18 @@ class LlamaModel:
         if self.c_attention and arch.local_layers:  # the windowed layers run torch's kernel
             attn += f"/window-attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
         clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
+        kv_tag = ("" if self.kv_dtype == resolve_kv_dtype("auto", dtype, device, True)
+                  else f"/kv-{self.kv_dtype.name}")
         self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
-                         + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else ""))
+                         + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else "")
+                         + kv_tag)
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
         segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
         the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently), and
         the ISA level the C kernels were built for (``isa``: every level gives the portable path's
-        bits, tested, but the torch operators around them may not, so levels do not share)."""
+        bits, tested, but the torch operators around them may not, so levels do not share), and the
+        KV pool's element type where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
 
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):

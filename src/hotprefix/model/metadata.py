@@ -14,6 +14,9 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KV_ELEMENT_BYTES = {"bf16": (2, 0), "fp16": (2, 0), "fp32": (4, 0), "int8": (1, 4)}
+"""KV pool element type (``CacheConfig.kv_cache_dtype``, resolved) -> (bytes per value, bytes more per
+(token, KV head) row): int8 rows carry their float32 scale (``hotprefix.model.kv_dtype``)."""
 
 
 class ModelLoadError(ValueError):
@@ -60,9 +63,11 @@ class KVShape:
     head_dim: int
     """Width of one head."""
 
-    def bytes_per_token(self, dtype_bytes: int) -> int:
-        """``2 x layers x kv heads x head dim x dtype bytes``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def bytes_per_token(self, dtype_bytes: int | str) -> int:
+        """``2 x layers x kv heads x (head dim x dtype bytes + row extra)``; ``dtype_bytes``: bytes
+        per element, or a ``KV_ELEMENT_BYTES`` name (``int8`` counts its scales)."""
+        per, extra = KV_ELEMENT_BYTES[dtype_bytes] if isinstance(dtype_bytes, str) else (dtype_bytes, 0)
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * per + extra)
 
 
 def read_kv_shape(path: str) -> KVShape:
@@ -94,12 +99,14 @@ def read_kv_shape(path: str) -> KVShape:
         raise ModelLoadError(f"cannot read the KV shape of {path}: {e}") from e
 
 
-def kv_bytes_per_token(model: str | None, dtype_bytes: int) -> int:
-    """KV bytes per token of a model (``2 x layers x kv heads x head dim x dtype bytes``).
+def kv_bytes_per_token(model: str | None, dtype_bytes: int | str) -> int:
+    """KV bytes per token of a model (``2 x layers x kv heads x head dim x dtype bytes``, and the
+    int8 rows' scales).
 
     Args:
         model: a .gguf file, a HF directory, or None for the embedded default model.
-        dtype_bytes: bytes per KV element (4 = float32, 2 = bfloat16/float16).
+        dtype_bytes: bytes per KV element (4 = float32, 2 = bfloat16/float16), or a KV element
+            type's name (``bf16``, ``fp16``, ``fp32``, ``int8``: ``KV_ELEMENT_BYTES``).
     Raises:
         ModelLoadError: the model is not found or its metadata is unreadable.
     """

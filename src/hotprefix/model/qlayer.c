@@ -10,7 +10,7 @@ void add_rms_norm(float *h, const float *d, const float *w, float *out, int64_t 
                   float eps, int threads);
 int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, int64_t hd,
                       const float *cos_t, const float *sin_t, int64_t n_pos, const int64_t *pos,
-                      float *q_out, void *k_cache, void *v_cache, int bf16, const int64_t *slots,
+                      float *q_out, void *k_cache, void *v_cache, int kv, const int64_t *slots,
                       int64_t n_slots, int threads);
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads);
 int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
@@ -22,7 +22,7 @@ int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t ro
 int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float eps, int64_t rows,
                      int64_t dim, const uint8_t *w_qkv, const float *bias, int64_t nh,
                      int64_t nkv, int64_t hd, const float *cos_t, const float *sin_t, int64_t n_pos,
-                     const int64_t *pos, float *q_out, void *k_cache, void *v_cache, int bf16,
+                     const int64_t *pos, float *q_out, void *k_cache, void *v_cache, int kv,
                      const int64_t *slots, int64_t n_slots, int threads) {
     const int64_t width = (nh + 2 * nkv) * hd;
     float *x = malloc((size_t)(rows * (dim + width)) * sizeof(float));
@@ -35,7 +35,7 @@ int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float ep
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < width; j++) qkv[r * width + j] = qkv[r * width + j] + bias[j];
         bad = rope_write_kv(qkv, rows, nh, nkv, hd, cos_t, sin_t, n_pos, pos, q_out, k_cache,
-                            v_cache, bf16, slots, n_slots, threads);
+                            v_cache, kv, slots, n_slots, threads);
     }
     free(x);
     return bad;
@@ -66,7 +66,7 @@ int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm, fl
 int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
                       int64_t tstride, const int64_t *seq, const int64_t *pos);
 int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
-              const void *v_cache, int bf16, int64_t bs, const int64_t *tables, int64_t tstride,
+              const void *v_cache, int kv, int64_t bs, const int64_t *tables, int64_t tstride,
               const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
               int portable);
 
@@ -86,7 +86,7 @@ int64_t qg_layer_fields(void) { return QL_FIELDS; }
 int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int64_t *table,
                   float eps, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, const float *cos_t,
                   const float *sin_t, int64_t n_pos, const int64_t *rope_pos, const int64_t *slots,
-                  int64_t n_slots, int bf16, int64_t bs, int64_t pool_blocks, const int64_t *tables,
+                  int64_t n_slots, int kv, int64_t bs, int64_t pool_blocks, const int64_t *tables,
                   int64_t tstride, const int64_t *seq, const int64_t *attn_pos, float scale,
                   int threads) {
     if (attn_check_tables(rows, bs, pool_blocks, tables, tstride, seq, attn_pos))
@@ -100,9 +100,9 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
         void *kc = (void *)f[QL_K_CACHE], *vc = (void *)f[QL_V_CACHE];
         bad = qg_layer_pre(h, l ? pending : NULL, (const float *)f[QL_IN_NORM], eps, rows, dim,
                            (const uint8_t *)f[QL_QKV], (const float *)f[QL_QKV_BIAS], nh, nkv, hd, cos_t, sin_t, n_pos,
-                           rope_pos, q, kc, vc, bf16, slots, n_slots, threads);
+                           rope_pos, q, kc, vc, kv, slots, n_slots, threads);
         if (!bad)
-            bad = attn_rows(q, rows, nh, nkv, hd, kc, vc, bf16, bs, tables, tstride, seq, attn_pos,
+            bad = attn_rows(q, rows, nh, nkv, hd, kc, vc, kv, bs, tables, tstride, seq, attn_pos,
                             scale, o, threads, 0);
         if (!bad && qg_layer_post(o, nh * hd, h, (const float *)f[QL_POST_NORM], eps, rows, dim,
                                   (const uint8_t *)f[QL_O], (const uint8_t *)f[QL_GU], inter,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hotprefix.model.isa import requested_level
-from hotprefix.model.fused import check_attention
+from hotprefix.model.fused import check_attention, kv_kind
 from hotprefix.model.gguf_blocks import (BLOCK, BLOCK_BYTES, GGUF_TYPES, LANES,  # noqa: F401
                                          block_columns, pack_weight, unpack_weight)
 
@@ -164,7 +164,7 @@ class QuantLayers:
             h.data_ptr(), rows, dim, len(layers), self._layer_table(layers, kv_caches).data_ptr(),
             self.eps, self.nh, self.nkv, self.hd, self.inter, cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], positions.data_ptr(), slots.data_ptr(), slots.shape[0],
-            int(kc.dtype == torch.bfloat16), kc.shape[1], kc.shape[0], plan.tables.data_ptr(),
+            kv_kind(kc), kc.shape[1], kc.shape[0], plan.tables.data_ptr(),
             plan.tables.shape[1], plan.seq.data_ptr(), plan.pos.data_ptr(), scale,
             torch.get_num_threads())
         check_attention(bad, f"{rows}-row layers' activations")
@@ -184,7 +184,7 @@ class QuantLayers:
             self.eps, rows, dim, w.packed.data_ptr(), None if bias is None else bias.data_ptr(),
             self.nh, self.nkv, self.hd, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), slots.shape[0],
+            kv_kind(k_cache), slots.data_ptr(), slots.shape[0],
             torch.get_num_threads())
         if bad < 0:
             raise MemoryError(f"no memory for a {rows}-row layer's activations")

@@ -215,6 +215,8 @@ def dashboard_data(state: ServerState, e: LLMEngine) -> dict[str, Any]:
         "model": state.served_name,
         "block_size": s["block_size"],
         "eviction_policy": s["eviction_policy"],
+        "bytes_per_token": s.get("bytes_per_token"),
+        "kv_cache_dtype": s.get("kv_cache_dtype"),
         "enabled": s["enabled"],
         "requests": s["requests"],
         "queries_tokens": s["queries_tokens"],

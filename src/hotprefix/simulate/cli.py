@@ -22,7 +22,7 @@ from typing import Any
 
 from hotprefix.cache.eviction import POLICIES
 from hotprefix.config import CacheConfig
-from hotprefix.model.metadata import ModelLoadError, kv_bytes_per_token
+from hotprefix.model.metadata import KV_ELEMENT_BYTES, ModelLoadError, kv_bytes_per_token
 from hotprefix.simulate import fleet_cli, traces
 from hotprefix.simulate.argtypes import int_at_least, non_negative_int, positive_int
 from hotprefix.simulate.plot import plot_mrc
@@ -61,8 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=0.9,
                    help="--sweep: sizing advice for this fraction of the ceiling")
     p.add_argument("--model", default=None, help="--sweep: model whose KV bytes/token size the pool")
-    p.add_argument("--dtype-bytes", type=positive_int, default=4,
-                   help="--sweep: bytes per KV element (4 = fp32)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=sorted(KV_ELEMENT_BYTES),
+                   help="--sweep: the pool's KV element type, as serve's --kv-cache-dtype "
+                        "(bf16: what auto gives on CPU; int8: half the bytes, plus a scale per "
+                        "token and KV head)")
+    p.add_argument("--dtype-bytes", type=positive_int, default=None,
+                   help="--sweep: bytes per KV element, instead of --kv-cache-dtype")
     p.add_argument("--bytes-per-token", type=positive_int, default=None,
                    help="--sweep: KV bytes per token (skips reading the model's metadata)")
     fleet_cli.add_arguments(p)
@@ -152,7 +156,7 @@ def _run_sweep(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int
     bpt = args.bytes_per_token
     if bpt is None:
         try:
-            bpt = kv_bytes_per_token(args.model, args.dtype_bytes)
+            bpt = kv_bytes_per_token(args.model, args.dtype_bytes or args.kv_cache_dtype)
         except (ModelLoadError, ImportError) as e:  # no model installed: advice in tokens only
             log(f"(could not read the model's KV size: {e}; pass --bytes-per-token)")
     target = args.target * result["ceiling"]

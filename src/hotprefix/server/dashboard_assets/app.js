@@ -275,7 +275,8 @@
     $("poollegend").replaceChildren(...rows.map(([name, n, color]) => h("li", {},
       h("span", {}, h("span", {class: "sw", style: {background: color || "transparent"}}), name),
       h("span", {class: "n", "data-pool": name}, `${fmtInt(n)}  (${(100 * n / p.total).toFixed(1)}%)`))));
-    setText("pool-total", `${fmtInt(p.total)} blocks of ${d.block_size} tokens`);
+    setText("pool-total", `${fmtInt(p.total)} blocks of ${d.block_size} tokens` +
+            (d.bytes_per_token ? ` · K/V ${d.kv_cache_dtype}, ${fmtInt(d.bytes_per_token)} bytes/token` : ""));
   }
 
   function drawTiers(d) {
