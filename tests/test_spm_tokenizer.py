@@ -479,7 +479,7 @@ def _tiny_llama_dir(d: Path, vocab_size: int) -> str:
     return str(d)
 
 
-def test_server_base_model_chat_is_a_400_and_completions_work(tiny, tmp_path):
+def test_server_base_model_chat_is_a_400_completions_work_and_a_template_file_gives_a_chat(tiny, tmp_path):
     """No chat template: /v1/chat/completions refuses with a 400 that says what to send instead
     (never a 500, no template guessed); /v1/completions generates, streamed or not, and its text
     is the decode of its tokens."""
@@ -499,6 +499,7 @@ def test_server_base_model_chat_is_a_400_and_completions_work(tiny, tmp_path):
                                                    "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400, r.text
         assert "no chat template" in r.json()["error"]["message"]
+        assert "--chat-template" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"model": srv.model, "prompt": "hello  world 東京",
                                               "max_tokens": 6, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -512,3 +513,16 @@ def test_server_base_model_chat_is_a_400_and_completions_work(tiny, tmp_path):
                       if line.startswith("data: ") and line != "data: [DONE]"]
         streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
         assert streamed == body["choices"][0]["text"]
+        plain_fp = srv.state.engine.tokenizer_fingerprint
+    template = tmp_path / "chat.jinja"  # --chat-template FILE gives the base model a chat
+    template.write_text("{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
+                        "<start_of_turn>")
+    cfg = EngineConfig.from_options(model=model, tokenizer=path, chat_template=str(template),
+                                    kv_cache_memory="16MiB", num_threads=1)
+    with LiveServer(cfg) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={"model": srv.model, "max_tokens": 3, "temperature": 0,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        want = tok.encode("<start_of_turn>hi<end_of_turn><start_of_turn>", add_special_tokens=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(want)  # the template's text, no BOS added
+        assert srv.state.engine.tokenizer_fingerprint != plain_fp  # another namespace

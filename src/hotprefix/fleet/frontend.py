@@ -109,7 +109,8 @@ class Frontend:
             async with self._keys_lock:
                 if self.keys is None:
                     info = await self.engine.info.remote()
-                    tok = await asyncio.to_thread(Tokenizer.load, info["tokenizer"])
+                    tok = await asyncio.to_thread(Tokenizer.load, info["tokenizer"],
+                                                  info.get("chat_template"))
                     self.keys = PromptKeys(tok, BlockKey(bytes.fromhex(info["namespace"])),
                                            info["block_size"], info["hash_algo"], self.tenants,
                                            info["max_model_len"])

@@ -103,6 +103,7 @@ class EngineReplica:
         return {"replica": self.name, "namespace": e.namespace.hex(), "block_size": e.block_size,
                 "hash_algo": self.engine_config.cache.hash_algo,
                 "tokenizer": self.engine_config.model.tokenizer or e.model_path,
+                "chat_template": self.engine_config.model.chat_template,
                 "max_model_len": e.max_model_len, "served_name": self.state.served_name}
 
     async def forward(self, method: str, path: str, query: str, headers: Sequence[Header],
