@@ -264,3 +264,19 @@ def test_parse_calls_and_stream_agree():
     assert T.parse_calls("no call here <tool", fs) == ("no call here <tool", [])
     cs = T.CallStream(fs)
     assert [v for _, v in cs.feed("a <tool") + cs.end()] == ["a ", "<tool"]
+
+
+def test_offline_chat_renders_tools_and_constrains(tiny_model_dir):
+    from hotprefix import LLM
+
+    llm = LLM(model=tiny_model_dir, num_threads=2, num_blocks=64)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    fs = T.parse_tools([WEATHER])
+    out = llm.chat(msgs, SamplingParams(max_tokens=60, structured_outputs=T.grammar(fs, False)),
+                   tools=[WEATHER])[0]
+    assert '"get_weather"' in out.prompt and "# Tools" in out.prompt  # the tool block, rendered
+    content, calls = T.parse_calls(out.outputs[0].text, fs)  # random weights, valid call
+    assert out.outputs[0].finish_reason == "stop" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    with pytest.raises(ValueError):
+        llm.chat(msgs, tools=[{"type": "function", "function": {"name": "bad name"}}])

@@ -131,15 +131,28 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: Params = None, cache_salt: str | None = None,
              use_tqdm: bool | None = None, *, sampling_params: Params = None,
+             tools: list[dict[str, Any]] | None = None,
              **request_options: Any) -> list[RequestOutput]:
-        """OpenAI-style messages (or a list of conversations) through the chat template."""
+        """OpenAI-style messages (or a list of conversations) through the chat template.
+
+        ``tools`` (OpenAI's shape) are rendered into the prompt as the server renders them (the
+        template's way, or the tool block of ``hotprefix.server.tools``), as vLLM's ``LLM.chat``
+        does; the answer is text (the server parses tool calls out of it)."""
         _drop_vllm_request_options(request_options)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(m) for m in convs]  # type: ignore[arg-type]
+        template_tools = None
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for c in convs for m in c):
+            from hotprefix.server import tools as T
+
+            functions = T.parse_tools(tools)  # ToolError (a ValueError) names a bad tool
+            native = self.tokenizer.renders_tools
+            convs = [T.render_messages(list(c), functions, native) for c in convs]  # type: ignore[arg-type]
+            template_tools = [f.raw for f in functions] if native and functions else None
+        prompts = [self.tokenizer.encode_chat(m, tools=template_tools) for m in convs]  # type: ignore[arg-type]
         outs = self.generate(prompts, _one_of(params, sampling_params), cache_salt, use_tqdm,
                              **request_options)
         for out, conv in zip(outs, convs):
-            out.prompt = self.tokenizer.render_chat(conv)  # type: ignore[arg-type]
+            out.prompt = self.tokenizer.render_chat(conv, tools=template_tools)  # type: ignore[arg-type]
         return outs
 
     def _params_per_prompt(self, params: Params, n: int) -> list[SamplingParams]:

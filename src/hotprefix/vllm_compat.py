@@ -138,7 +138,6 @@ REQUEST_UNSUPPORTED: dict[str, Unsupported] = {
     "chat_template_kwargs": Unsupported("the chat template is rendered with the messages only",
                                         (None, {})),
     "chat_template_content_format": Unsupported("content parts are joined as text", ("auto",)),
-    "tools": Unsupported("no tool calling"),
     "mm_processor_kwargs": Unsupported("text models only"),
 }
 """vLLM keyword arguments of ``LLM.generate`` / ``LLM.chat`` that hotprefix does not have."""
