@@ -142,6 +142,13 @@ def test_fleet_stats_cover_both_replicas_and_tenants_see_only_their_own(fleet):
     assert set(s["router"]["replicas"]) == set(s["replicas"])
     assert len(s["router"]["kv_events"]) == 2  # the router follows both replicas' KV events
     assert sum(s["router"]["indexed_blocks"].values()) > 0
+    # each replica reports its work and the prefill rate its engine measured (every 0.25 s)
+    deadline = time.monotonic() + 30
+    while not any(w["measured"] for w in s["router"]["work"].values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        s = admin_stats(fleet)
+    assert set(s["router"]["work"]) == set(s["replicas"])
+    assert any(w["measured"] and w["prefill_tok_s"] > 0 for w in s["router"]["work"].values())
     assert s["block_size"] == 16 and "eviction_policy_state" not in s  # settings: never summed
     bob = httpx.get(fleet + "/v1/cache/stats", headers=H_BOB, timeout=60).json()
     assert bob["view"] == "tenant" and "replicas" not in bob and "router" not in bob
