@@ -28,7 +28,7 @@ from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
 from hotprefix.logits import RowInput
-from hotprefix.sampling import Sampled, log_probs, sample
+from hotprefix.sampling import Sampled, sample
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,7 @@ class ModelRunner:
         if not chunks:
             return {}, []
         logits, owners, prompt_logits, prompt_rows = self._forward(chunks, block_tables)
-        prompt = [(req, pos, self._prompt_logprob(prompt_logits[i], req, pos))
-                  for i, (req, pos) in enumerate(prompt_rows)]
+        prompt = self._prompt_logprobs(prompt_logits, prompt_rows)
         if not owners:
             return {}, prompt
         seqs: list[Request] = []
@@ -166,12 +165,24 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(seqs, drawn)}, prompt
 
     @staticmethod
-    def _prompt_logprob(row: torch.Tensor, req: Request, pos: int) -> Sampled:
-        """The log probabilities of prompt token ``pos`` from the logits at ``pos - 1`` (raw: no
-        penalty or temperature applies to a prompt)."""
-        tok = req.token_ids[pos]
-        lp, rank, top = log_probs(row, tok, req.params.prompt_logprobs)
-        return Sampled(tok, lp, rank, top)
+    def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]
+                         ) -> list[tuple[Request, int, Sampled]]:
+        """The log probabilities of prompt token ``pos`` from the logits at ``pos - 1``, for every
+        row at once (raw: no penalty or temperature applies to a prompt)."""
+        if not rows:
+            return []
+        lsm = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1)
+        toks = torch.tensor([req.token_ids[pos] for req, pos in rows], dtype=torch.long)
+        lp = lsm.gather(1, toks[:, None])
+        ranks = ((lsm > lp).sum(dim=1) + 1).tolist()
+        k = max(req.params.prompt_logprobs for req, _ in rows)
+        top_v, top_i = torch.topk(lsm, k) if k else (lsm[:, :0], toks[:, None][:, :0])
+        out = []
+        for r, (req, pos) in enumerate(rows):
+            kk = req.params.prompt_logprobs
+            top = list(zip(top_i[r, :kk].tolist(), top_v[r, :kk].tolist()))
+            out.append((req, pos, Sampled(int(toks[r]), float(lp[r, 0]), ranks[r], top)))
+        return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks of K/V (every layer), ``src -> dst`` for each pair (a fork's last
