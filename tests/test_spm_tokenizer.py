@@ -526,3 +526,24 @@ def test_server_base_model_chat_is_a_400_completions_work_and_a_template_file_gi
         want = tok.encode("<start_of_turn>hi<end_of_turn><start_of_turn>", add_special_tokens=False)
         assert r.json()["usage"]["prompt_tokens"] == len(want)  # the template's text, no BOS added
         assert srv.state.engine.tokenizer_fingerprint != plain_fp  # another namespace
+
+
+def test_gemma3_streaming_equals_decode_on_random_ids_and_text(gemma):
+    """Random ids from the whole vocabulary (byte pieces, control tokens, HTML tags, fragments) and
+    a multilingual text's ids, streamed one token at a time: the final text is the one-shot
+    decode, shown text only grows, and a text's stream never shows half a character."""
+    _, tok, _ = gemma
+    rng = random.Random(12)
+    text_ids = tok.encode("".join(HOSTILE[16:24]) * 3, add_special_tokens=False)
+    for ids, whole_chars in (([rng.randrange(tok.vocab_size) for _ in range(600)], False), (text_ids, True)):
+        d = IncrementalDetokenizer(tok)
+        shown = []
+        for t in ids:
+            d.add([t])
+            shown.append(d.take()[0])
+        d.finish()
+        final = d.take()[0]
+        assert final == tok.decode(ids, continuation=True)
+        assert all(final.startswith(s) for s in shown)
+        if whole_chars:
+            assert not any(s.endswith("\ufffd") for s in shown) and "😀" in final
