@@ -17,6 +17,14 @@ d. All-unique 256-token prompts (32, max_tokens 8): total time caching on vs off
    interleaved (order alternates), every prompt unique in every round (a unique first block), median
    of rounds. Target: on <= 3% slower than off.
 
+``--squeeze``: the eviction squeeze instead (issue 30): a pool of fixed bytes (``--pool-bytes``,
+default 64MiB) and a workload whose working set is larger than the default pool holds: ``--docs``
+documents of ``--doc-tokens`` tokens (default 8 x 448), each request one document and a unique
+16-token question, one token out, one request at a time, the documents in a shuffled order each
+round (``--rounds``, default 3; the same order for every contender). Per KV dtype
+(``--kv-dtypes``, default ``auto,int8``): tokens the pool holds, bytes per token, token hit ratio
+and median TTFT. The more tokens the bytes hold, the more documents stay cached.
+
 Contenders: two hotprefix engines (``enable_prefix_caching`` True / False; same
 ``max_num_batched_tokens=4096`` and ``kv_cache_memory=4GiB`` so the off engine is not starved of KV
 blocks) and transformers fp32 for the ideal in (a). Prompts are real tokenized text (a generated
@@ -277,8 +285,59 @@ def tables(res: dict) -> str:
     return "\n".join(out)
 
 
+def squeeze(args) -> None:
+    """``--squeeze``: the same workload through a pool of the same bytes in each KV dtype."""
+    import random
+
+    kinds = args.kv_dtypes.split(",")
+    res: dict = {"benchmark": "prefix_cache_squeeze", "pool_bytes": args.pool_bytes, "docs": args.docs,
+                 "doc_tokens": args.doc_tokens, "rounds": args.rounds, "runs": {}}
+    rng = random.Random(0)
+    order = [rng.sample(range(args.docs), args.docs) for _ in range(args.rounds)]
+    for kind in kinds:
+        llm = common.load_hotprefix(args.threads, kv_cache_memory=args.pool_bytes, kv_cache_dtype=kind,
+                                    max_num_batched_tokens=4096)
+        tok, r = llm.tokenizer, llm.engine.runner
+        docs = [unique_prompt(tok, args.doc_tokens, f"doc-{d}", 100 + d) for d in range(args.docs)]
+        gen(llm, [unique_prompt(tok, 96, "warmup", 999)], 1)
+        llm.reset_prefix_cache()
+        ttft, hit, total = [], 0, 0
+        for rnd, ds in enumerate(order):
+            for i, d in enumerate(ds):
+                prompt = docs[d] + common.question_tokens(tok, 16, 1000 * rnd + i)
+                out = gen(llm, [prompt], 1)[0]
+                ttft.append(out.ttft_s)
+                hit += out.num_cached_tokens
+                total += len(prompt)
+        run = {"kv_dtype": r.kv_dtype.name, "bytes_per_token": r.bytes_per_token,
+               "capacity_tokens": r.capacity_tokens, "working_set_tokens": args.docs * args.doc_tokens,
+               "token_hit_ratio": hit / total, "ttft_median_s": median(ttft),
+               "ttft_median_after_round1_s": median(ttft[args.docs:])}
+        res["runs"][kind] = run
+        log(f"  {kind}: {run}")
+        del llm
+    rows = [[k, v["kv_dtype"], f"{v['bytes_per_token']:,}", f"{v['capacity_tokens']:,}",
+             f"{v['working_set_tokens']:,}", f"{v['token_hit_ratio']:.1%}",
+             f"{v['ttft_median_s'] * 1e3:.0f} ms", f"{v['ttft_median_after_round1_s'] * 1e3:.0f} ms"]
+            for k, v in res["runs"].items()]
+    table = common.md_table(["--kv-cache-dtype", "pool", "bytes/token", "tokens held", "working set",
+                             "token hit ratio", "TTFT median", "TTFT median, rounds 2+"], rows)
+    env = common.environment(args.threads, args.quick)
+    res.update(environment=env, markdown=table)
+    print(table + f"\n\n_pool {args.pool_bytes}; {args.docs} documents x {args.doc_tokens} tokens + "
+          f"16 unique, {args.rounds} shuffled rounds, 1 output token; {env['cpu']}_")
+    common.write_json(args.out or os.path.join(common.RESULTS_DIR, "prefix_cache_squeeze.json"), res)
+
+
 def main() -> None:
     ap = common.base_parser(__doc__)
+    ap.add_argument("--squeeze", action="store_true",
+                    help="the eviction squeeze: a fixed-bytes pool per KV dtype (see above)")
+    ap.add_argument("--pool-bytes", default="64MiB", help="--squeeze: the pool's bytes")
+    ap.add_argument("--kv-dtypes", default="auto,int8", help="--squeeze: KV dtypes compared")
+    ap.add_argument("--docs", type=int, default=8, help="--squeeze: documents")
+    ap.add_argument("--doc-tokens", type=int, default=448, help="--squeeze: tokens per document")
+    ap.add_argument("--rounds", type=int, default=3, help="--squeeze: rounds over the documents")
     ap.add_argument("--requests", type=int, default=None, help="part b requests (default 64; quick 8)")
     ap.add_argument("--max-off-s", type=float, default=480.0,
                     help="part b: above this estimated off-run time, measure a subset and "
@@ -286,6 +345,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/prefix_cache.png)")
     args = ap.parse_args()
     common.setup_threads(args.threads)
+    if args.squeeze:
+        return squeeze(args)
     q = args.quick
     cfg = dict(
         a=dict(sys_len=1024 if q else 4000, q_len=50, repeats=args.repeats or (2 if q else 3)),
