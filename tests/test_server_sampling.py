@@ -200,3 +200,27 @@ def test_out_of_range_is_a_400_naming_the_parameter(srv, route, change, param):
                    json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_logprobs_do_not_show_whether_another_tenant_cached_the_prompt(tiny_model_dir):
+    """bob's choices and log probabilities are the same whether alice cached his prompt or not."""
+    import os
+
+    keys = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")
+    cfg = tiny_config(tiny_model_dir, max_model_len=512, block_size=16, dtype="float32")
+    with LiveServer(cfg, ServerConfig(api_keys=keys)) as s:
+        def ask(key):
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            r = c.completions.create(model=s.model, prompt=words("omega"), max_tokens=4, n=2,
+                                     temperature=1.0, seed=1, logprobs=3)
+            return [(ch.text, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs)
+                    for ch in r.choices], r.usage.prompt_tokens_details.cached_tokens
+
+        ask("sk-alice-1")  # alice caches the prompt
+        with_alice, cached = ask("sk-bob")
+        assert cached == 0
+        reset = httpx.post(s.url + "/v1/cache/reset", headers={"Authorization": "Bearer sk-ops"},
+                           timeout=30)
+        assert reset.status_code == 200 and reset.json()["dropped_blocks"] > 0
+        alone, cached = ask("sk-bob")
+        assert cached == 0 and alone == with_alice
