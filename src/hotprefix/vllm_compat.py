@@ -13,7 +13,8 @@ routers that read ``vllm:*`` metrics.
   (``tensor_parallel_size=1``, ``n=1``) is accepted; any other is an error naming the option,
   never silently ignored.
 - ``METRICS``: vLLM metric name -> its hotprefix twin; the server exports each twin under both names.
-- ``CompletionOutput``: ``RequestOutput.outputs[0]``, vLLM's shape of one completion.
+- ``CompletionOutput``: ``RequestOutput.outputs[i]``, vLLM's shape of one completion (one per
+  sequence of ``n``), with ``Logprob`` / ``TokenLogprobs`` for its log probabilities.
 
 Torch-free. Knows nothing about the engine, the server or argparse.
 """
