@@ -78,7 +78,7 @@ class LLM:
             as ``self.served_model_name``; None = the model's own name. Serving, the same setting is
             ``hotprefix serve --served-model-name``.
         **options: any field of ModelConfig / CacheConfig / SchedulerConfig (block_size,
-            kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
+            kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
             enable_prefix_caching, deterministic, eviction_policy, ...) or its vLLM name
             (gpu_memory_utilization, num_gpu_blocks_override, ...). A vLLM option hotprefix does not
             have is a ConfigError naming it and what to use instead.
