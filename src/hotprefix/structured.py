@@ -31,10 +31,12 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where a mask meets the logits: the fleet front end imports this module
+    import torch
 
 MAX_SPEC_BYTES = 256 * 1024
 """Largest grammar or schema a request may give (bytes of its JSON text)."""
@@ -176,12 +178,12 @@ class GrammarState:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._executor = executor
-        self._bits = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+        self._bits = np.empty((vocab_size + 31) // 32, dtype=np.int32)
         self._future: Future | None = None
         self._start()
 
     def _fill(self) -> None:
-        self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
 
     def _start(self) -> None:
         self._future = self._executor.submit(self._fill) if not self._matcher.is_stopped() else None
@@ -195,11 +197,13 @@ class GrammarState:
         self._wait()
         if self._matcher.is_error():
             raise RuntimeError(f"structured output: {self._matcher.get_error()}")
-        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little", count=self._vocab_size)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._vocab_size)
         return bits.view(np.bool_)
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens the grammar allows next (waits for the mask)."""
+        import torch
+
         return torch.from_numpy(self._allowed().copy())
 
     def accept(self, token_id: int) -> None:
@@ -224,6 +228,8 @@ class GrammarState:
         """``logits`` ([vocab], the row after bias and penalties) with every token the grammar
         disallows set to -inf, in place (``hotprefix.logits.RowInput.mask``). Columns past the
         grammar's vocabulary (padding of the model's) are disallowed too."""
+        import torch
+
         allowed = self._allowed()
         n = min(logits.shape[0], allowed.shape[0])
         if logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32:
