@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 THREADS ?= 2
 # test workers: the suite is CPU-bound (~26 CPU-minutes): 2 workers took 14.4 min on the 2-core AVX2 EPYC, 1 took 21 (partly contended)
 WORKERS ?= 2
+# tests marked slow (over a minute of CPU for one check) are left out; `make test MARKS=slow` runs them
+MARKS ?= not slow
 
 .PHONY: setup serve generate test test-fast bench clean
 
@@ -24,7 +26,7 @@ generate: $(STAMP)
 	$(BIN)/hotprefix generate "What is the capital of France?"
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile -m "$(MARKS)" $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not model" $(PYTEST_ARGS)
