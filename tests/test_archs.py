@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.model.attention import AttentionMetadata, PrefillSeq
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import load_model
+
+from model_support import all_logits, llamacpp_src
 
 LOGIT_TOL = 1e-4
 """Largest |ours - transformers| logit, both fp32 (logits of std ~1)."""
@@ -44,13 +45,6 @@ GEMMA3 = dict(COMMON, num_hidden_layers=6, num_key_value_heads=1, sliding_window
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 WINDOW = 8
 
-
-def _llamacpp_src() -> Path | None:
-    cand = os.environ.get("HOTPREFIX_LLAMACPP_SRC") or os.path.join(
-        os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/hotprefix-peers")),
-        "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
-    p = Path(cand)
-    return p if (p / "convert_hf_to_gguf.py").is_file() and (p / "gguf-py").is_dir() else None
 
 
 def _build(kind: str, d: Path, tokenizer):
@@ -165,23 +159,6 @@ def _llm(path, tokenizer=None, **kw) -> LLM:
     return LLM(str(path), tokenizer=None if tokenizer is None else str(tokenizer), **{**opts, **kw})
 
 
-def _all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Every position's logits of one prompt through ``model`` over ``llm``'s KV pool."""
-    eng = llm.engine
-    req = eng.add_request(ids, SamplingParams(max_tokens=1))
-    eng.scheduler.waiting.remove(req)
-    assert eng.cache.allocate(req, len(ids), 0)
-    bs, n = eng.block_size, len(ids)
-    bt = eng.cache.block_table(req.request_id)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([bt[p // bs] * bs + p % bs for p in range(n)]),
-        prefills=[PrefillSeq(0, n, n, torch.tensor(bt))])
-    try:
-        return model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta, None)
-    finally:
-        eng.cache.free(req)
-        eng.requests.pop(req.request_id, None)
-
 
 def _theirs(ref, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
@@ -191,7 +168,7 @@ def _theirs(ref, ids: list[int]) -> torch.Tensor:
 def logits_close(model: LlamaModel, llm: LLM, ref, ids: list[int]) -> float:
     """Every position's logits within LOGIT_TOL of transformers', argmaxes equal: the largest
     difference."""
-    ours, theirs = _all_logits(model, llm, ids), _theirs(ref, ids)
+    ours, theirs = all_logits(model, llm, ids), _theirs(ref, ids)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     diff = (ours - theirs).abs().max().item()
     assert diff < LOGIT_TOL, diff
@@ -237,7 +214,7 @@ def test_gguf_matches_transformers(family_case, prompts):
                            torch.float32)
         for layer in wrong.layers:
             del layer["q_norm"], layer["k_norm"]
-    off = (_all_logits(wrong, llm, prompts[0]) - _theirs(ref, prompts[0])).abs().max().item()
+    off = (all_logits(wrong, llm, prompts[0]) - _theirs(ref, prompts[0])).abs().max().item()
     assert off > 100 * LOGIT_TOL, off
 
 
@@ -289,7 +266,7 @@ def test_cold_equals_warm_past_the_window(family_case, prompts, fused):
 # ------------------------------------------------------------------ llama.cpp's converter
 @pytest.fixture(scope="module")
 def converted(family_case, tmp_path_factory) -> Path:
-    src = _llamacpp_src()
+    src = llamacpp_src()
     if src is None:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (unpack it with "
                     "../shared/tools/llamacpp-peer.sh build, or set HOTPREFIX_LLAMACPP_SRC)")

@@ -24,10 +24,11 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.model.attention import AttentionMetadata, PrefillSeq
 from hotprefix.model.llama import LlamaModel, RotaryEmbedding
 from hotprefix.model.loader import ModelLoadError, load_model
 from hotprefix.model.rope import hf_rope, inverse_frequencies, llama3_freq_factors
+
+from model_support import all_logits, llamacpp_src
 
 ORIGINAL = 1024
 """original_max_position_embeddings of the scaled model (its max_position_embeddings is 8,192)."""
@@ -47,15 +48,6 @@ LOGIT_TOL = 1e-4
 position 100, 1.5e-5 up to 1,400 (our tables are computed in float64, transformers' position x
 frequency in fp32). The unscaled frequencies are 0.5 to 3 off, with 629 of 1,400 argmaxes changed."""
 
-
-def _llamacpp_src() -> Path | None:
-    """The llama.cpp source tree that ``../shared/tools/llamacpp-peer.sh`` unpacks (or
-    ``$HOTPREFIX_LLAMACPP_SRC``), when it holds the converter."""
-    cand = os.environ.get("HOTPREFIX_LLAMACPP_SRC") or os.path.join(
-        os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/hotprefix-peers")),
-        "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
-    p = Path(cand)
-    return p if (p / "convert_hf_to_gguf.py").is_file() and (p / "gguf-py").is_dir() else None
 
 
 def _hf_config(scaled: bool, vocab: int):
@@ -111,28 +103,11 @@ def _llm(path, tokenizer=None) -> LLM:
                tokenizer=None if tokenizer is None else str(tokenizer))
 
 
-def _all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Every position's logits of one prompt through ``model`` over ``llm``'s KV pool."""
-    eng = llm.engine
-    req = eng.add_request(ids, SamplingParams(max_tokens=1))
-    eng.scheduler.waiting.remove(req)
-    assert eng.cache.allocate(req, len(ids), 0)
-    bs, n = eng.block_size, len(ids)
-    bt = eng.cache.block_table(req.request_id)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([bt[p // bs] * bs + p % bs for p in range(n)]),
-        prefills=[PrefillSeq(0, n, n, torch.tensor(bt))])
-    try:
-        return model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta, None)
-    finally:
-        eng.cache.free(req)
-        eng.requests.pop(req.request_id, None)
-
 
 def _compare(llm: LLM, ref, ids: list[int]) -> tuple[float, float]:
     """(max |logit diff| below ORIGINAL, beyond it) against transformers; argmax equal at every
     position."""
-    ours = _all_logits(llm.engine.runner.model, llm, ids)
+    ours = all_logits(llm.engine.runner.model, llm, ids)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
@@ -229,7 +204,7 @@ def test_hf_dir_llama3_matches_transformers(llama3_dir, llama3_ref, prompts):
     model = LlamaModel(dataclasses.replace(loaded.arch, rope_freq_factors=None), loaded.weights,
                        torch.device("cpu"), torch.float32)
     ids = prompts[0]
-    wrong = _all_logits(model, llm, ids)
+    wrong = all_logits(model, llm, ids)
     with torch.no_grad():
         theirs = llama3_ref(torch.tensor([ids])).logits[0].float()
     diff = (wrong - theirs).abs().amax(-1)
@@ -273,7 +248,7 @@ def test_hf_dir_other_scaling_type_is_refused(plain_dir, tmp_path):
 @pytest.fixture(scope="module")
 def converted_gguf(llama3_dir, tmp_path_factory) -> Path:
     """The scaled model through llama.cpp's own converter (fp32 tensors)."""
-    src = _llamacpp_src()
+    src = llamacpp_src()
     if src is None:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (unpack it with "
                     "../shared/tools/llamacpp-peer.sh build, or set HOTPREFIX_LLAMACPP_SRC)")
