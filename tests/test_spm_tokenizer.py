@@ -254,17 +254,23 @@ def test_decode_round_trips_and_keeps_byte_fallback_whole(tiny):
         " Hello" if style == "llama2" else "Hello")
 
 
-def test_streamed_text_equals_decode_and_never_shows_half_a_character(tiny):
-    style, _, _, tok = tiny
-    text = "".join(HOSTILE[16:30]) + " 東京😀👍🏽 done"
-    ids = tok.encode(text, add_special_tokens=False)
+def _stream(tok, ids: list[int]) -> tuple[list[str], str]:
+    """``ids`` through the incremental detokenizer one token at a time: the text shown after each
+    token, and the final text."""
     d = IncrementalDetokenizer(tok)
     shown = []
     for t in ids:
         d.add([t])
         shown.append(d.take()[0])
     d.finish()
-    final = d.take()[0]
+    return shown, d.take()[0]
+
+
+def test_streamed_text_equals_decode_and_never_shows_half_a_character(tiny):
+    style, _, _, tok = tiny
+    text = "".join(HOSTILE[16:30]) + " 東京😀👍🏽 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    shown, final = _stream(tok, ids)
     assert final == tok.decode(ids, continuation=True)
     assert not any(s.endswith("\ufffd") for s in shown)
     assert all(final.startswith(s) for s in shown)
@@ -536,13 +542,7 @@ def test_gemma3_streaming_equals_decode_on_random_ids_and_text(gemma):
     rng = random.Random(12)
     text_ids = tok.encode("".join(HOSTILE[16:24]) * 3, add_special_tokens=False)
     for ids, whole_chars in (([rng.randrange(tok.vocab_size) for _ in range(600)], False), (text_ids, True)):
-        d = IncrementalDetokenizer(tok)
-        shown = []
-        for t in ids:
-            d.add([t])
-            shown.append(d.take()[0])
-        d.finish()
-        final = d.take()[0]
+        shown, final = _stream(tok, ids)
         assert final == tok.decode(ids, continuation=True)
         assert all(final.startswith(s) for s in shown)
         if whole_chars:
