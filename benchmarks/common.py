@@ -70,12 +70,33 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def default_model_file() -> tuple[str, str, str]:
-    """(path, directory, file name) of the embedded default GGUF."""
-    from hotprefix.model.loader import default_model_path
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """``--model NAME_OR_PATH``: the model every contender runs (default: the embedded one)."""
+    p.add_argument("--model", default=None,
+                   help="the model: a .gguf file, a Hugging Face directory, or a packaged name "
+                        "(default: the embedded SmolLM2-135M-Instruct Q4_1; gemma3-270m: Gemma 3 "
+                        "270M Q4_K_M from its package)")
 
-    path = default_model_path()
+
+def default_model_file(model: str | None = None) -> tuple[str, str, str]:
+    """(path, directory, file name) of ``model`` as ``--model`` resolves it (None: the embedded
+    default GGUF; a packaged name such as ``gemma3-270m``: its assembled GGUF)."""
+    from hotprefix.model.metadata import resolve_model_path
+
+    path = os.path.abspath(resolve_model_path(model))
     return path, os.path.dirname(path), os.path.basename(path)
+
+
+def is_default_model(model: str | None) -> bool:
+    """Whether ``model`` names the embedded default (the model the fixed targets are about)."""
+    from hotprefix.model.metadata import default_model_path
+
+    if model in (None, "default", "smollm2"):
+        return True
+    try:
+        return os.path.samefile(default_model_file(model)[0], default_model_path())
+    except OSError:
+        return False
 
 
 def load_hotprefix(threads: int, **options: Any):
@@ -87,17 +108,21 @@ def load_hotprefix(threads: int, **options: Any):
     return llm
 
 
-def load_transformers():
-    """The default GGUF through transformers, dequantized to fp32 (its only CPU path)."""
+def load_transformers(model: str | None = None):
+    """The model's GGUF (default: the embedded one) through transformers, dequantized to fp32
+    (its only CPU path); a Hugging Face directory as it is, in fp32."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    _, d, name = default_model_file()
+    path, d, name = default_model_file(model)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32)
+    if os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32)
     model.eval()
     log(f"  transformers fp32 ({model.config._attn_implementation}) loaded in "
         f"{time.perf_counter() - t0:.1f}s")

@@ -1,5 +1,6 @@
-"""Architecture families against transformers (issue 27): tiny random-weight ``Qwen3ForCausalLM``
-and ``Gemma3ForCausalLM`` (text), each loaded from its HF directory and from a GGUF written here
+"""Architecture families against transformers (issue 27): tiny random-weight ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM`` (text), ``Qwen2ForCausalLM`` (Q/K/V bias) and ``MistralForCausalLM`` (a
+``llama`` GGUF, Q/K rows permuted), each loaded from its HF directory and from a GGUF written here
 with ``gguf``'s writer as llama.cpp's ``convert_hf_to_gguf.py`` writes it (its tensor names,
 gemma's ``1 + w`` norms, its metadata); where the converter is at hand, its own GGUF is compared
 with ours tensor by tensor and run too (skipped without it).
@@ -8,7 +9,8 @@ Gemma 3's model has a sliding window of 8 keys on 5 of its 6 layers (layer 5 glo
 default pattern), a second RoPE base on the local layers, QK-norm, sandwich norms and GELU-tanh;
 prompts of 40-300 tokens cross the window many times. Every norm weight is random (transformers
 initialises them to the identity), so a norm applied wrongly moves the logits. Guards check that
-the window and the QK-norm matter: without them the logits are far outside the tolerance.
+the window, the QK-norm, qwen2's bias and mistral's RoPE base (1e6) matter: without them the
+logits are far outside the tolerance.
 Cold == warm: the engine's logits with a prefix from the cache past the window equal a cold
 prefill's bit for bit, in the fused kernels' path and in torch's.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +47,16 @@ GEMMA3 = dict(COMMON, num_hidden_layers=6, num_key_value_heads=1, sliding_window
                   "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 WINDOW = 8
+QWEN2 = dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=1e6,
+             use_sliding_window=False)
+MISTRAL = dict(COMMON, num_hidden_layers=2, num_key_value_heads=1, rope_theta=1e6,
+               sliding_window=None)
+"""Mistral 7B v0.2+ / Nemo: GQA, RoPE base 1e6, no window, a head_dim of its own (Nemo's)."""
+CLASSES = {"qwen3": ("Qwen3ForCausalLM", "Qwen3Config", QWEN3),
+           "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3),
+           "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", QWEN2),
+           "mistral": ("MistralForCausalLM", "MistralConfig", MISTRAL)}
+"""Family -> transformers' model class, config class, and the tiny config."""
 
 
 
@@ -53,16 +66,15 @@ def _build(kind: str, d: Path, tokenizer):
     import transformers
 
     torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **QWEN3, vocab_size=tokenizer.vocab_size))
-    else:
-        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-            **GEMMA3, vocab_size=tokenizer.vocab_size))
+    model_cls, config_cls, cfg = CLASSES[kind]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        **cfg, vocab_size=tokenizer.vocab_size))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if kind == "qwen3" else 0.0))
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind == "gemma3" else 1.0))
+            elif name.endswith(".bias"):  # transformers initialises biases to zero
+                p.copy_(torch.randn_like(p) * 0.3)
     model.save_pretrained(str(d))
     tokenizer.save_json(str(d / "tokenizer.json"))
     # the default model's BPE tokenizer, not the class transformers maps gemma3_text to
@@ -77,21 +89,24 @@ def _reference(d: Path, kind: str):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cls = transformers.Qwen3ForCausalLM if kind == "qwen3" else transformers.Gemma3ForCausalLM
+    cls = getattr(transformers, CLASSES[kind][0])
     return cls.from_pretrained(str(d), torch_dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def write_gguf(hf_dir: Path, out: Path) -> Path:
     """The HF model as ``convert_hf_to_gguf.py`` writes it (fp32), with ``gguf``'s writer:
     qwen3: llama names plus ``attn_q_norm``/``attn_k_norm``, Q/K rows unpermuted; gemma3: its
-    four norms a layer, every ``*norm.weight`` stored as ``1 + w``, the sliding window. No
-    tokenizer (``vocab_size`` instead: the tests load the HF directory's)."""
+    four norms a layer, every ``*norm.weight`` stored as ``1 + w``, the sliding window; qwen2:
+    llama names plus the Q/K/V ``.bias``; mistral: a ``llama`` file, Q/K rows permuted as the
+    converter's ``LlamaModel.permute``, ``rope.dimension_count``. No tokenizer (``vocab_size``
+    instead: the tests load the HF directory's)."""
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     gemma = cfg["model_type"] == "gemma3_text"
-    arch = "gemma3" if gemma else "qwen3"
+    arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = load_file(str(hf_dir / "model.safetensors"))
     wr = gguf.GGUFWriter(str(out), arch)
     wr.add_name(f"tiny-{arch}")
@@ -109,6 +124,8 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
         wr.add_sliding_window(cfg["sliding_window"])
     else:
         wr.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    if arch == "llama":
+        wr.add_rope_dimension_count(cfg["head_dim"])
     wr.add_vocab_size(cfg["vocab_size"])
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -123,12 +140,17 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     def put(name: str, t: np.ndarray) -> None:
         if gemma and name.endswith("norm.weight"):
             t = t + np.float32(1.0)  # the converter's norm_shift
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            t = _permute(t, nh if ".attn_q." in name else nkv)
         wr.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
 
     put("token_embd.weight", w["model.embed_tokens.weight"])
     for i in range(cfg["num_hidden_layers"]):
         for hf, gg in names.items():
-            put(f"blk.{i}.{gg}.weight", w[f"model.layers.{i}.{hf}.weight"])
+            if f"model.layers.{i}.{hf}.weight" in w:
+                put(f"blk.{i}.{gg}.weight", w[f"model.layers.{i}.{hf}.weight"])
+            if f"model.layers.{i}.{hf}.bias" in w:
+                put(f"blk.{i}.{gg}.bias", w[f"model.layers.{i}.{hf}.bias"])
     put("output_norm.weight", w["model.norm.weight"])
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
@@ -137,7 +159,12 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row permutation (``LlamaModel.permute``), for a ``llama`` file."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "qwen2", "mistral"])
 def family_case(request, tmp_path_factory, default_tokenizer):
     """(kind, HF dir, transformers reference, written GGUF) per family."""
     kind = request.param
@@ -192,7 +219,7 @@ def check_against(llm: LLM, ref, prompts: list[list[int]], n: int = 4) -> float:
 def test_gguf_matches_transformers(family_case, prompts):
     kind, d, ref, path = family_case
     arch = load_model(str(path)).arch
-    assert arch.arch == kind and arch.head_dim == 32
+    assert arch.arch == ("llama" if kind == "mistral" else kind) and arch.head_dim == 32
     if kind == "gemma3":
         assert arch.sliding_window == WINDOW and arch.local_layers == (0, 1, 2, 3, 4)
         assert arch.rope_theta == 1e6 and arch.rope_theta_local == 1e4
@@ -205,15 +232,22 @@ def test_gguf_matches_transformers(family_case, prompts):
                            torch.float32, fused_kernels=False)
     diff_torch = logits_close(torch_ops, llm, ref, prompts[0])
     print(f"{kind} gguf: max |logit diff| {diff:.2e} (fused), {diff_torch:.2e} (torch ops)")
-    # the guards: without the window (gemma3) or the QK-norm (qwen3) the logits are far off
+    # the guards: without the window (gemma3), the QK-norm (qwen3), the Q/K/V bias (qwen2) or
+    # with llama's old RoPE base 10,000 (mistral) the logits are far off
     if kind == "gemma3":
-        wrong = LlamaModel(dataclasses.replace(model.arch, local_layers=()),
-                           load_model(str(path)).weights, torch.device("cpu"), torch.float32)
+        wrong_arch = dataclasses.replace(model.arch, local_layers=())
+    elif kind == "mistral":
+        assert model.arch.rope_theta == 1e6
+        wrong_arch = dataclasses.replace(model.arch, rope_theta=1e4)
     else:
-        wrong = LlamaModel(model.arch, load_model(str(path)).weights, torch.device("cpu"),
-                           torch.float32)
-        for layer in wrong.layers:
+        wrong_arch = model.arch
+    wrong = LlamaModel(wrong_arch, load_model(str(path)).weights, torch.device("cpu"), torch.float32)
+    for layer in wrong.layers:
+        if kind == "qwen3":
             del layer["q_norm"], layer["k_norm"]
+        elif kind == "qwen2":
+            assert layer["qkv_bias"] is not None
+            layer["qkv_bias"] = None
     off = (all_logits(wrong, llm, prompts[0]) - _theirs(ref, prompts[0])).abs().max().item()
     assert off > 100 * LOGIT_TOL, off
 
@@ -223,7 +257,10 @@ def test_hf_dir_matches_transformers(family_case, prompts):
     kind, d, ref, path = family_case
     hf, gg = load_model(str(d)), load_model(str(path))
     assert hf.arch.rms_norm_eps == pytest.approx(gg.arch.rms_norm_eps, rel=1e-6)  # fp32 in a GGUF
-    assert dataclasses.replace(hf.arch, rms_norm_eps=gg.arch.rms_norm_eps) == gg.arch
+    # a Mistral checkpoint is a llama GGUF (the converter writes MistralForCausalLM so)
+    assert hf.arch.arch == ("mistral" if kind == "mistral" else gg.arch.arch)
+    assert dataclasses.replace(hf.arch, rms_norm_eps=gg.arch.rms_norm_eps,
+                               arch=gg.arch.arch) == gg.arch
     name = "model.layers.0.input_layernorm.weight"
     assert torch.equal(hf.weights[name], gg.weights[name])
     llm = _llm(d)
@@ -273,6 +310,15 @@ def converted(family_case, tmp_path_factory) -> Path:
     pytest.importorskip("sentencepiece", reason="convert_hf_to_gguf.py imports sentencepiece")
     kind, d, _, _ = family_case
     out = tmp_path_factory.mktemp(f"conv-{kind}") / f"tiny-{kind}.gguf"
+    if kind == "qwen2":
+        # transformers 5's AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer, which swaps in
+        # Qwen2's pre-tokenizer, and the converter does not know that pre-tokenizer over this
+        # (SmolLM2) vocabulary. It picks its model class from ``architectures``
+        # (Qwen2ForCausalLM), so a copy whose model_type reads llama converts as qwen2 with the
+        # tokenizer as it was written.
+        d = Path(shutil.copytree(d, out.parent / "hf"))
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
     r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(d),
                         "--outfile", str(out), "--outtype", "f32"],
