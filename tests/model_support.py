@@ -31,12 +31,13 @@ def all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:
     eng.scheduler.waiting.remove(req)
     assert eng.cache.allocate(req, len(ids), 0)
     bs, n = eng.block_size, len(ids)
-    bt = eng.cache.block_table(req.request_id)
-    meta = AttentionMetadata(
+    tables = eng.runner._group_tables({req.request_id: eng.cache.block_table(req.request_id)})
+    metas = [AttentionMetadata(  # one per KV group (a hybrid pool has several)
         slot_mapping=torch.tensor([bt[p // bs] * bs + p % bs for p in range(n)]),
-        prefills=[PrefillSeq(0, n, n, torch.tensor(bt))])
+        prefills=[PrefillSeq(0, n, n, torch.tensor(bt))]) for bt in tables[req.request_id]]
     try:
-        return model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches, meta, None)
+        return model.forward(torch.tensor(ids), torch.arange(n), eng.runner.kv_caches,
+                             eng.runner._per_layer(metas), None)
     finally:
         eng.cache.free(req)
         eng.requests.pop(req.request_id, None)

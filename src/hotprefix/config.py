@@ -134,6 +134,11 @@ class CacheConfig:
     """Exact number of KV blocks (overrides both sizes above; mainly for tests)."""
     enable_prefix_caching: bool = True
     """Reuse the K/V of full blocks whose content (and namespace) matches."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every layer's K/V for every token (vLLM's flag). By default a model with
+    sliding-window layers (Gemma 3) gets a hybrid pool: its window layers keep only the blocks a
+    query can see plus the windows before hit points (prompt and turn ends, divergence points),
+    a fraction of the memory for the same hits. KV tiers (``kv_store``) turn it off."""
     hash_algo: str = "sha256"
     """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (Python's built-in 64-bit
     tuple hash: faster, valid within one process, collisions can be forged: never with several tenants)."""

@@ -36,6 +36,13 @@ class KVBlock:
     """Never evicted before this monotonic time (retention pin); 0 = not pinned."""
     priority: int = 0
     """Retention priority (higher = kept longer by priority-aware policies)."""
+    group: int = 0
+    """KV group whose key the block is cached under (``kv_groups``; 0: the full group)."""
+    kept: bool = False
+    """A window group's block inside the window before a hit point: evicted in the policy's
+    order. A cached window block that is not kept is interior: evicted before anything else."""
+    hit_kind: str | None = None
+    """The kind of hit point that ends at this window block (``window_groups``), if any."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ Allocation takes empty blocks first, then asks the eviction policy for a victim;
 the key from the index before the block is reused. The pool remembers a bounded "ghost" list of
 recently evicted keys so a later miss can be reported as ``evicted`` rather than ``cold``.
 
+A hybrid pool (``window_groups``) also holds sliding-window groups' blocks: a free cached window
+block outside every kept window is *interior* and sits in ``low``, which allocation empties before
+it asks the policy: those are the first blocks eviction takes.
+
 The pool only knows block ids and keys; the K/V tensors live in the runner. Imports no torch.
 """
 
@@ -59,6 +63,8 @@ class BlockPool:
         self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self.ghost_size = ghost_size
         self.pinned: dict[int, KVBlock] = {}  # free-and-cached blocks held back by a pin
+        self.low: OrderedDict[int, KVBlock] = OrderedDict()
+        """Free cached interior window blocks, least recently freed first: evicted first."""
         self.max_pinned = int(num_blocks * max_pinned_fraction)
         self.num_pinned_blocks = 0  # cached blocks (any refcount) with an active pin
         self._pin_expiry = LazyHeap(num_blocks)  # block id -> pinned_until, for blocks with a pin
@@ -83,7 +89,7 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that an allocation can take now (empty + evictable, not pinned)."""
         self._expire_pins()
-        return len(self.empty) + len(self.policy)
+        return len(self.empty) + len(self.policy) + len(self.low)
 
     @property
     def num_cached(self) -> int:
@@ -103,7 +109,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
                     del self.pinned[b.block_id]
-                else:
+                elif self.low.pop(b.block_id, None) is None:
                     self.policy.on_use(b)
                 self.num_in_use += 1
             b.ref_cnt += 1
@@ -126,6 +132,11 @@ class BlockPool:
         for _ in range(n):
             if self.empty:
                 b = self.blocks[self.empty.popleft()]
+            elif self.low:
+                b = self.low.popitem(last=False)[1]
+                self._uncache(b, evicted=True)
+                self.num_evictions += 1
+                self.eviction_times.append(now)
             else:
                 b = self.policy.evict()
                 self._uncache(b, evicted=True)
@@ -151,6 +162,8 @@ class BlockPool:
                 self.empty.append(b.block_id)
             elif b.pinned_until > now:
                 self.pinned[b.block_id] = b
+            elif b.group and not b.kept:
+                self.low[b.block_id] = b
             else:
                 self.policy.on_free(b)
 
@@ -231,6 +244,9 @@ class BlockPool:
         b.salt = None
         b.num_hits = 0
         b.priority = 0
+        b.group = 0
+        b.kept = False
+        b.hit_kind = None
 
     def reset(self) -> tuple[int, int]:
         """Drop every free cached block and the memory of evicted keys (after a reset a miss is
@@ -242,7 +258,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
                     del self.pinned[b.block_id]
-                else:
+                elif self.low.pop(b.block_id, None) is None:
                     self.policy.on_removed(b)
                 self._uncache(b, evicted=False)
                 self.empty.append(b.block_id)
@@ -267,8 +283,11 @@ class BlockPool:
             in_use += b.ref_cnt > 0
         assert in_use == self.num_in_use, f"num_in_use {self.num_in_use} != {in_use}"
         evictable = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.key is not None)
-        assert evictable == len(self.policy) + len(self.pinned), \
-            f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)}"
+        assert evictable == len(self.policy) + len(self.pinned) + len(self.low), \
+            f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)} + low {len(self.low)}"
+        for b in self.low.values():
+            assert b.ref_cnt == 0 and b.key is not None and b.group and not b.kept, \
+                f"block {b.block_id} in the interior queue but not a free interior window block"
         assert len(self.index) == sum(1 for b in self.blocks if b.key is not None)
         pins = sum(1 for b in self.blocks if b.pinned_until)
         assert pins == self.num_pinned_blocks == len(self._pin_expiry), \

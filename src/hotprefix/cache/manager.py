@@ -34,6 +34,8 @@ from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats, request_figures
 from hotprefix.textutil import common_prefix_len
 
+from hotprefix.cache.window_groups import WindowGroups
+
 if TYPE_CHECKING:  # the tiers package (redis, msgspec) loads only when tiers are configured
     from hotprefix.cache.tier_link import TierLink
 
@@ -78,6 +80,9 @@ class KVCacheManager:
         self.namespace_tag = hasher.namespace.hex()[:16]
         self._reqs: dict[str, _ReqState] = {}
         self.pending: dict[BlockKey, str] = {}  # key -> id of the request computing it
+        self.windows: WindowGroups | None = None
+        """A hybrid pool's sliding-window groups (``window_groups``; set by the engine), or None:
+        every layer's K/V kept for every block."""
 
     # ------------------------------------------------------------------ keys
     def keys(self, req: CacheRequest) -> list[BlockKey]:
@@ -85,13 +90,19 @@ class KVCacheManager:
         self.hasher.extend(req.block_keys, req.token_ids, req.salt, req.salt_from_block)
         return req.block_keys
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: str) -> list[int] | list[list[int]]:
+        """The request's block ids; with window groups, one table per group (the full group's
+        first, ``window_groups.PAD`` where a window group holds no block)."""
         st = self._reqs.get(request_id)
-        return [b.block_id for b in st.blocks] if st else []
+        table = [b.block_id for b in st.blocks] if st else []
+        if self.windows is None:
+            return table
+        return [table, *self.windows.tables(request_id)]
 
     def num_blocks_held(self, request_id: str) -> int:
         st = self._reqs.get(request_id)
-        return len(st.blocks) if st else 0
+        held = len(st.blocks) if st else 0
+        return held + (self.windows.num_held(request_id) if self.windows is not None else 0)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, req: CacheRequest) -> list[KVBlock]:
@@ -105,7 +116,11 @@ class KVCacheManager:
             return []
         if self.tiers is not None:
             self.tiers.install(self, req)
-        return self.pool_run(req)
+        hits = self.pool_run(req)
+        req.full_hit_blocks = len(hits)
+        if self.windows is not None and hits:
+            hits = hits[:self.windows.resume(req.block_keys, req.token_ids, len(hits))]
+        return hits
 
     def pool_run(self, req: CacheRequest) -> list[KVBlock]:
         """The longest run of leading full blocks cached in the pool now."""
@@ -153,7 +168,13 @@ class KVCacheManager:
         st = self._reqs.get(req.request_id)
         held = len(st.blocks) if st else 0
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - held - len(hits)
-        return need <= self.num_free_after(hits)
+        free = self.num_free_after(hits)
+        if self.windows is not None:
+            w = self.windows
+            resume = len(hits) if st is None else 0
+            need += w.pages_needed(req.request_id, num_computed_tokens, num_new_tokens, resume)
+            free -= w.evictable_hits(self.keys(req), resume)
+        return need <= free
 
     def allocate(self, req: CacheRequest, num_new_tokens: int, num_computed_tokens: int,
                  hits: list[KVBlock] = ()) -> bool:
@@ -162,6 +183,8 @@ class KVCacheManager:
         ``hits`` (from ``lookup``, only at admission) are referenced first. Returns False and takes
         nothing if the pool cannot supply the blocks.
         """
+        if self.windows is not None:  # what no query from here on reads: released first
+            self.windows.release_out_of_window(req.request_id, num_computed_tokens)
         if not self.can_allocate(req, num_new_tokens, num_computed_tokens, hits):
             return False
         st = self._reqs.get(req.request_id)
@@ -174,11 +197,15 @@ class KVCacheManager:
             st.blocks.extend(hits)
             st.num_committed = st.num_hit_blocks = len(hits)
             self._retain_hits(req, hits)
+        if first and self.windows is not None:
+            self.windows.admit(req.request_id, self.keys(req), len(hits), self._hit_points(req, len(hits)))
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - len(st.blocks)
         if need > 0:
             new = self.pool.allocate(need)
             assert new is not None
             st.blocks.extend(new)
+        if self.windows is not None:
+            self.windows.allocate(req.request_id, num_computed_tokens, num_new_tokens)
         if first and self.enabled and req.cache_write:
             # Blocks of the known prompt this request is about to compute: others may wait for them.
             keys = self.keys(req)
@@ -231,8 +258,28 @@ class KVCacheManager:
             self._record_content(req, i)
             placed.append((i, blk))
         st.num_committed = max(st.num_committed, n_full)
+        if self.windows is not None:
+            self.windows.commit(req.request_id, keys, req.token_ids, n_full,
+                                lambda i: req.salt if i == req.salt_from_block else None)
         if self.tiers is not None:
             self.tiers.store(self, req, placed)  # write-through to the KV tiers
+
+    def _hit_points(self, req: CacheRequest, resumed: int) -> dict[int, str]:
+        """Block counts where later requests are expected to resume (``window_groups``)."""
+        bs = self.block_size
+        points: dict[int, str] = {}
+        for end in req.hit_point_tokens:
+            points.setdefault(end // bs, "message_end")
+        for end, _ in req.pin_breakpoints:
+            points.setdefault(end // bs, "breakpoint")
+        cacheable = cacheable_blocks(req.num_prompt_tokens, bs)
+        if 0 < req.full_hit_blocks < cacheable:
+            points.setdefault(req.full_hit_blocks, "divergence")
+        points.setdefault(cacheable, "prompt_end")
+        if resumed:
+            points.setdefault(resumed, "resumed")
+        points.pop(0, None)
+        return points
 
     def _retain_hits(self, req: CacheRequest, hits: Sequence[KVBlock]) -> None:
         """A request's retention renews the blocks it reads from cache, as it would have set it on
@@ -280,6 +327,8 @@ class KVCacheManager:
         for key in st.pending:
             if self.pending.get(key) == req.request_id:
                 del self.pending[key]
+        if self.windows is not None:
+            self.windows.free(req.request_id)
         self.pool.free(st.blocks)
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> list[tuple[int, int]] | None:
@@ -302,6 +351,13 @@ class KVCacheManager:
             if got is None:
                 return None
             new = got
+        window_pairs: list[tuple[int, int]] = []
+        if self.windows is not None:
+            got_w = self.windows.fork(parent.request_id, child.request_id, num_tokens)
+            if got_w is None:
+                self.pool.free(new)
+                return None
+            window_pairs = got_w
         shared = st.blocks[:n_full]
         self.pool.share(shared)
         self._reqs[child.request_id] = _ReqState(
@@ -309,7 +365,7 @@ class KVCacheManager:
             num_hit_blocks=min(st.num_hit_blocks, n_full), write_stopped=st.write_stopped,
             tail_ok=st.tail_ok)
         child.block_keys = list(self.keys(parent)[:n_full])
-        return [(st.blocks[n_full].block_id, new[0].block_id)] if partial else []
+        return ([(st.blocks[n_full].block_id, new[0].block_id)] if partial else []) + window_pairs
 
     def reset(self) -> dict[str, int]:
         """Drop every free cached block; blocks in use stay. Returns counts."""
@@ -340,6 +396,14 @@ class KVCacheManager:
             rep.miss_reason = MissReason.TOO_SHORT
             rep.detail = {"note": f"the prompt has {n_prompt} tokens; a block holds {bs} and the "
                                   "last token is always computed"}
+        elif n_hit < min(cacheable, req.full_hit_blocks):  # a hybrid pool resumed earlier
+            rep.miss_reason, rep.miss_position = MissReason.WINDOW_EVICTED, cached_tokens
+            rep.detail = {"resumed_at_token": cached_tokens,
+                          "full_layers_cached_tokens": req.full_hit_blocks * bs,
+                          "note": "the sliding-window layers' K/V before the longer prefix were "
+                                  "evicted; the hit resumed at an earlier kept hit point"}
+            if self.windows is not None:
+                self.windows.resumed_earlier += 1
         elif n_hit < cacheable:
             miss = miss_reason(self, req, n_hit)
             rep.miss_reason, rep.miss_position, rep.detail = miss.reason, miss.position, miss.detail

@@ -34,6 +34,9 @@ class MissReason(StrEnum):
     READ_SKIPPED = "read_skipped"
     """The request did not read the cache: it asked for what a hit cannot give (prompt log
     probabilities need the logits of every prompt position). Says nothing about what is cached."""
+    WINDOW_EVICTED = "window_evicted"
+    """A hybrid pool: the full-attention layers held more of this prompt, but a sliding-window
+    layer's K/V before that point were evicted; the hit resumed at an earlier kept hit point."""
     SALT = "salt"
     """Operator-only: another tenant holds the same tokens. A tenant sees ``cold``/``extended``."""
 

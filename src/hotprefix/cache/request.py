@@ -39,6 +39,12 @@ class CacheRequest:
     """False = compute every prompt token, reading nothing from the cache (prompt log
     probabilities need each position's logits); the report's reason is ``read_skipped``. Its
     blocks are still written."""
+    hit_point_tokens: tuple[int, ...] = ()
+    """Token offsets where later requests are expected to resume (the ends of the system prompt
+    and of each message): a hybrid pool keeps the sliding-window layers' K/V before them."""
+    full_hit_blocks: int = 0
+    """Set by the manager's lookup: the full groups' run of cached blocks, before a hybrid pool
+    shortened it to where every window group also has its window."""
     block_keys: list[BlockKey] = field(default_factory=list)
     """Keys of the full blocks of token_ids, filled lazily by the manager. A caller may give some
     up front (a trace replay that hashed the trace once): they must be the manager's hasher's keys

@@ -20,6 +20,7 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.state_dir import StateDir
 from hotprefix.cache.manager import KVCacheManager
+from hotprefix.cache.window_groups import WindowGroups
 from hotprefix.cache.report import CacheReport
 from hotprefix.config import ConfigError, EngineConfig
 from hotprefix.diagnose import chat_fixed_prefix, explain
@@ -124,6 +125,10 @@ class LLMEngine:
         hasher = BlockHasher(self.namespace, cc.block_size, cc.hash_algo)
         self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window,
                                     ContentLedger(state), cc.admission_tail_tokens)
+        layout = self.runner.layout
+        if layout.hybrid:
+            self.cache.windows = WindowGroups(
+                pool, cc.block_size, {i: g.window for i, g in enumerate(layout.groups) if i})
         self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
         self.cache.tiers = open_tiers(cc, self.runner.kv_caches)
         tier_names = self.cache.tiers.tiers.names if self.cache.tiers is not None else []

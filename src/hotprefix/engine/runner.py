@@ -6,6 +6,10 @@ mode every sequence's tokens are cut at block boundaries and each piece runs pad
 tile of ``block_size`` rows, so a token's arithmetic never depends on how much of its prefix came
 from cache or what else was in the batch.
 
+A model with sliding-window layers gets a hybrid pool (``cache/kv_groups.py``): a page holds the
+K/V of a group of layers, each KV group has its own block tables (the scheduler's tables come as
+one list per group), and a forward pass gets one attention metadata per group.
+
 Knows the model and the scheduler's output; not the cache's hashing or the tokenizer.
 """
 
@@ -17,6 +21,7 @@ import os
 
 import torch
 
+from hotprefix.cache.kv_groups import GroupLayout, plan_groups
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.request import Request
 from hotprefix.engine.scheduler import ScheduledChunk
@@ -112,20 +117,39 @@ class ModelRunner:
         self.bytes_per_token = kv.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
         """Pool bytes a cached token costs (K and V of every layer, int8 scales included)."""
         self.weights_bytes = self.model.weight_bytes()
-        self.num_blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, self.weights_bytes, self.device)
+        blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, self.weights_bytes, self.device)
+        self.layout: GroupLayout = plan_groups(
+            arch.num_layers, arch.local_layers, arch.sliding_window,
+            hybrid=not cache_cfg.disable_hybrid_kv_cache_manager and not cache_cfg.kv_store)
+        """The pool's KV groups (one group of every layer unless the model has window layers)."""
+        if arch.local_layers and cache_cfg.kv_store and not cache_cfg.disable_hybrid_kv_cache_manager:
+            log.warning("KV tiers hold whole-model blocks: every layer's K/V is kept for every "
+                        "token (the hybrid KV groups are off with --kv-store)")
+        lay = self.layout
+        self.num_blocks = lay.pages_for_blocks(blocks)
+        """Pages in the pool (whole-model blocks unless hybrid: then ``page_layers`` layers each)."""
         shape = (self.num_blocks, bs, arch.num_kv_heads, kv.row(arch.head_dim))
-        self.kv_caches = [(torch.zeros(shape, dtype=kv.torch_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv.torch_dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
-        self.capacity_tokens = self.num_blocks * bs
+        self.kv_slots = [(torch.zeros(shape, dtype=kv.torch_dtype, device=self.device),
+                          torch.zeros(shape, dtype=kv.torch_dtype, device=self.device))
+                         for _ in range(lay.page_layers)]
+        """One (K, V) pair per layer of a page; a layer keeps its K/V in its slot's pair."""
+        self.layer_group = [g for g, _ in lay.slot_of()]
+        self.kv_caches = [self.kv_slots[j] for _, j in lay.slot_of()]
+        self.capacity_tokens = blocks * bs
         self.numerics = self.model.numerics
         """What the K/V values depend on besides the weights (``LlamaModel.numerics``)."""
         log.info("weights: %s, %.1f MiB held; GEMMs padded to %d rows (batch-invariant)",
                  self.numerics, self.weights_bytes / 2**20, self.model.min_rows)
         log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token) on %s, "
-                 "K/V in %s", self.num_blocks, bs, self.capacity_tokens,
-                 self.num_blocks * bs * self.bytes_per_token / 2**20, self.bytes_per_token,
+                 "K/V in %s", blocks, bs, self.capacity_tokens,
+                 blocks * bs * self.bytes_per_token / 2**20, self.bytes_per_token,
                  self.device, kv.name)
+        if lay.hybrid:
+            log.info("KV groups (hybrid): %d pages of %d layers shared by %d full group(s) and %d "
+                     "window-%d group(s); a cached token costs %d bytes in the full groups and "
+                     "the window groups hold only windows", self.num_blocks, lay.page_layers,
+                     lay.num_full_groups, lay.num_window_groups, lay.window,
+                     self.bytes_per_token * lay.num_full_groups * lay.page_layers // lay.num_layers)
 
     # ------------------------------------------------------------------ one step
     def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]
@@ -191,7 +215,7 @@ class ModelRunner:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
         dst = torch.tensor([b for _, b in pairs], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v in self.kv_slots:
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -214,51 +238,72 @@ class ModelRunner:
             return range(0)
         return range(c.start, min(c.start + c.num_tokens, req.num_prompt_tokens - 1))
 
+    def _group_tables(self, block_tables: dict) -> dict[str, list[list[int]]]:
+        """request id -> one block table per KV group (a single group's table may come bare)."""
+        n = len(self.layout.groups)
+        out = {}
+        for rid, t in block_tables.items():
+            tables = t if t and isinstance(t[0], list) else [t]
+            if len(tables) != n:
+                raise ValueError(f"{len(tables)} block tables for a pool of {n} KV groups")
+            out[rid] = tables
+        return out
+
+    def _per_layer(self, metas: list[AttentionMetadata]):
+        """The forward pass's metadata: one, or one per layer (its KV group's)."""
+        return metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_group]
+
     def _run_batched(self, chunks, block_tables):
         bs, dev = self.block_size, self.device
+        tables = self._group_tables(block_tables)
         # decodes in order of context length: those with one key count are one attention call
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         logit_rows: list[int] = []
         owners: list[ScheduledChunk] = []
-        decode_tables = [block_tables[c.request.request_id] for c in decodes]
-        for r, (c, bt) in enumerate(zip(decodes, decode_tables)):
+        for r, c in enumerate(decodes):
             p = c.start
             ids.append(c.request.token_ids[p])
             pos.append(p)
-            slots.append(bt[p // bs] * bs + p % bs)
             if c.wants_logits:
                 logit_rows.append(r)
                 owners.append(c)
-        prefill_seqs: list[PrefillSeq] = []
         extra_rows: list[int] = []
         extra: list[tuple[Request, int]] = []
         for r, c in enumerate(decodes):  # a one-token prompt chunk runs as a decode
             for p in self._prompt_positions(c):
                 extra_rows.append(r)
                 extra.append((c.request, p + 1))
+        starts = []
         for c in prefills:
             start, n = c.start, c.num_tokens
-            bt = block_tables[c.request.request_id]
             q0 = len(ids)
+            starts.append(q0)
             ids.extend(c.request.token_ids[start:start + n])
             pos.extend(range(start, start + n))
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
-            nb = math.ceil((start + n) / bs)
-            prefill_seqs.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
             if c.wants_logits:
                 logit_rows.append(q0 + n - 1)
                 owners.append(c)
             for p in self._prompt_positions(c):
                 extra_rows.append(q0 + p - start)
                 extra.append((c.request, p + 1))
-        meta = self._batched_metadata(slots, decodes, decode_tables, prefill_seqs)
+        metas = []
+        for g in range(len(self.layout.groups)):
+            slots = [tables[c.request.request_id][g][c.start // bs] * bs + c.start % bs for c in decodes]
+            decode_tables = [tables[c.request.request_id][g] for c in decodes]
+            prefill_seqs: list[PrefillSeq] = []
+            for c, q0 in zip(prefills, starts):
+                start, n = c.start, c.num_tokens
+                bt = tables[c.request.request_id][g]
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
+                nb = math.ceil((start + n) / bs)
+                prefill_seqs.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
+            metas.append(self._batched_metadata(slots, decodes, decode_tables, prefill_seqs))
         rows = torch.tensor(logit_rows + extra_rows, dtype=torch.long, device=dev)
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                    self.kv_caches, meta, rows)
+                                    self.kv_caches, self._per_layer(metas), rows)
         n_sampled = len(logit_rows)
         return logits[:n_sampled], owners, logits[n_sampled:], extra
 
@@ -281,26 +326,30 @@ class ModelRunner:
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""
         bs, dev = self.block_size, self.device
+        tables = self._group_tables(block_tables)
         rows, owners = [], []
         extra_logits, extra = [], []
         for c in chunks:
             wanted = self._prompt_positions(c)
-            bt = block_tables[c.request.request_id]
+            group_bts = tables[c.request.request_id]
             p, end = c.start, c.start + c.num_tokens
             while p < end:
                 b = p // bs
                 tile_end = min(end, (b + 1) * bs)
                 ids = [0] * bs
-                slots = [-1] * bs
                 for q in range(p, tile_end):
                     ids[q % bs] = c.request.token_ids[q]
-                    slots[q % bs] = bt[b] * bs + q % bs
+                metas = []
+                for bt in group_bts:
+                    slots = [-1] * bs
+                    for q in range(p, tile_end):
+                        slots[q % bs] = bt[b] * bs + q % bs
+                    metas.append(AttentionMetadata(
+                        slot_mapping=torch.tensor(slots, device=dev), has_padding=True,
+                        prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(bt[:b + 1], device=dev))]))
                 positions = torch.arange(b * bs, (b + 1) * bs, device=dev)
-                meta = AttentionMetadata(
-                    slot_mapping=torch.tensor(slots, device=dev), has_padding=True,
-                    prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(bt[:b + 1], device=dev))])
                 logits = self.model.forward(torch.tensor(ids, device=dev), positions, self.kv_caches,
-                                            meta, None)
+                                            self._per_layer(metas), None)
                 if tile_end == end and c.wants_logits:
                     rows.append(logits[(end - 1) % bs])
                     owners.append(c)

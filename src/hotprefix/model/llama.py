@@ -261,7 +261,9 @@ class LlamaModel:
             input_ids: [num_tokens] token ids.
             positions: [num_tokens] absolute positions in their sequences.
             kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, nkv, hd].
-            meta: slot mapping and per-sequence block tables (see attention.py).
+            meta: slot mapping and per-sequence block tables (see attention.py); a hybrid
+                pool (``cache/kv_groups.py``) gives one per layer, the layers of a KV group
+                sharing theirs.
             logits_rows: rows whose logits are wanted (None = all).
 
         Returns:
@@ -278,7 +280,7 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         n = input_ids.shape[0]
-        if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS:
+        if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS and not isinstance(meta, list):
             h = self._layers_quant(h, positions, kv_caches, meta, n_real)
         else:
             h = self._layers(h, positions, kv_caches, meta, n_real)
@@ -322,12 +324,17 @@ class LlamaModel:
         return o
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                meta: AttentionMetadata, n_real: int) -> torch.Tensor:
+                meta: AttentionMetadata | list[AttentionMetadata], n_real: int) -> torch.Tensor:
         """The decoder layers, the family's ``layer`` over the shared operators: the fused
         kernels' (``arch.ops.FusedOps``) where they build, else torch's (``TorchOps``)."""
-        ops = (FusedOps if self.fused is not None else TorchOps)(self, positions, meta, n_real)
+        metas = meta if isinstance(meta, list) else None
+        ops = (FusedOps if self.fused is not None else TorchOps)(
+            self, positions, metas[0] if metas else meta, n_real)
         layer_fn, pending = self.family.layer, None
-        for layer, kv, rope, window in zip(self.layers, kv_caches, self.layer_rope, self.layer_window):
+        for i, (layer, kv, rope, window) in enumerate(
+                zip(self.layers, kv_caches, self.layer_rope, self.layer_window)):
+            if metas is not None:
+                ops.use(metas[i])
             pending = layer_fn(ops, layer, h, pending, kv, rope, window)
         return h.add_(pending.float())
 

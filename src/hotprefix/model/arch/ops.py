@@ -45,6 +45,11 @@ class _Ops:
         a = model.arch
         self.eps, self.nh, self.nkv, self.hd = a.rms_norm_eps, a.num_heads, a.num_kv_heads, a.head_dim
 
+    def use(self, meta) -> None:
+        """The next layers read and write the pool through ``meta`` (a hybrid pool's KV group:
+        its slot mapping and block tables)."""
+        self.meta = meta
+
     def mm(self, x: torch.Tensor, w, b: torch.Tensor | None, op: str) -> torch.Tensor:
         return self.m._mm(x, w, b, op)
 
@@ -105,6 +110,10 @@ class FusedOps(_Ops):
         super().__init__(model, positions.contiguous(), meta, n_real)
         self.f = model.fused
         self.slots = meta.slot_mapping.contiguous()
+
+    def use(self, meta) -> None:
+        if meta is not self.meta:
+            self.meta, self.slots = meta, meta.slot_mapping.contiguous()
 
     def add_norm(self, h, delta, w):
         return self.f.add_rms_norm(h, None if delta is None else delta.float().contiguous(), w)
