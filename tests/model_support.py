@@ -1,9 +1,11 @@
-"""Helpers for the architecture reference tests (test_archs, test_rope_scaling): the llama.cpp
-source tree holding ``convert_hf_to_gguf.py``, and every position's logits of one prompt through a
-model over an engine's KV pool. No tests here."""
+"""Helpers for the architecture reference tests (test_archs, test_rope_scaling, test_window_long):
+the llama.cpp source tree holding ``convert_hf_to_gguf.py``, a tiny random model saved with
+transformers' own classes, and every position's logits of one prompt through a model over an
+engine's KV pool. No tests here."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +24,32 @@ def llamacpp_src() -> Path | None:
         "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
     p = Path(cand)
     return p if (p / "convert_hf_to_gguf.py").is_file() and (p / "gguf-py").is_dir() else None
+
+
+def save_random_model(d: Path, tokenizer, model_cls: str, config_cls: str, config: dict,
+                      norm_offset: float = 1.0) -> Path:
+    """A random transformers ``model_cls`` (seed 0) of ``config_cls(**config)`` saved in ``d``
+    with ``tokenizer`` (the default model's): every norm weight random around ``norm_offset``
+    (0 for Gemma's ``1 + w`` norms) and every bias random (transformers initialises them to the
+    identity and zero, where a wrongly applied norm or bias would not show)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        **config, vocab_size=tokenizer.vocab_size))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + norm_offset)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(str(d))
+    tokenizer.save_json(str(d / "tokenizer.json"))
+    # the default model's BPE tokenizer, not the class transformers maps gemma3_text to
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
 
 
 def all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from hotprefix import LLM, SamplingParams
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import load_model
 
-from model_support import all_logits, llamacpp_src
+from model_support import all_logits, llamacpp_src, save_random_model
 
 LOGIT_TOL = 1e-4
 """Largest |ours - transformers| logit, both fp32 (logits of std ~1)."""
@@ -62,26 +62,10 @@ CLASSES = {"qwen3": ("Qwen3ForCausalLM", "Qwen3Config", QWEN3),
 
 def _build(kind: str, d: Path, tokenizer):
     """A random model of ``kind`` saved in ``d`` with the default model's tokenizer; every norm
-    weight random too."""
-    import transformers
-
-    torch.manual_seed(0)
+    weight and bias random too."""
     model_cls, config_cls, cfg = CLASSES[kind]
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        **cfg, vocab_size=tokenizer.vocab_size))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind == "gemma3" else 1.0))
-            elif name.endswith(".bias"):  # transformers initialises biases to zero
-                p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(str(d))
-    tokenizer.save_json(str(d / "tokenizer.json"))
-    # the default model's BPE tokenizer, not the class transformers maps gemma3_text to
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
+    return save_random_model(d, tokenizer, model_cls, config_cls, cfg,
+                             norm_offset=0.0 if kind == "gemma3" else 1.0)
 
 
 def _reference(d: Path, kind: str):

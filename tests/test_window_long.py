@@ -1,0 +1,135 @@
+"""Sliding windows at long prompts (issue 27): a tiny random-weight ``Gemma3ForCausalLM`` with a
+64-token window on 5 of its 6 layers, at prompts of 1,600 tokens (25 windows; Gemma 3 270M's
+window is 512, its prompts of 1,500+ tokens cross it three times: the same mechanism at a fraction
+of the CPU).
+
+Bit for bit: the last prompt token's logits of a cold prefill equal those of a warm run whose
+prefix came from the cache (1,088 tokens from a sibling prompt, and every full block of the
+prompt itself), and of a run batched with two unrelated prompts; greedy tokens and their log
+probabilities likewise through ``generate``, decode steps far past the window included. Queries
+there see 64 keys of 1,600: most of the keys torch's attention splits a query tile's keys into are
+wholly masked, and they must add nothing (no NaN, no change in the sum's order). Both pools: the
+hybrid one (window groups keep only their windows' blocks, issue 28) and one that keeps every
+layer's K/V (``disable_hybrid_kv_cache_manager``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotprefix import LLM, SamplingParams
+from hotprefix.model.loader import load_model
+
+from model_support import save_random_model
+
+WINDOW = 64
+GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=32,
+              num_hidden_layers=6, num_key_value_heads=1, sliding_window=WINDOW,
+              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              initializer_range=0.1, query_pre_attn_scalar=32, rope_parameters={
+                  "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+PROMPT_LEN = 1600
+SHARED = 1100
+"""Tokens the sibling prompt shares with the prompt: 68 whole blocks of 16 (1,088) can hit."""
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, default_tokenizer):
+    d = tmp_path_factory.mktemp("long-gemma3")
+    return save_random_model(d, default_tokenizer, "Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3,
+                             norm_offset=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    v = default_tokenizer.vocab_size
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, v, (n,), generator=g).tolist()
+
+    prompt = rand(PROMPT_LEN)
+    return {"prompt": prompt, "sibling": prompt[:SHARED] + rand(100),
+            "other_a": rand(300), "other_b": rand(500)}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["hybrid", "every-layer"])
+def llm(request, gemma_dir) -> LLM:
+    return LLM(str(gemma_dir), num_blocks=1024, block_size=16, max_model_len=4096,
+               max_num_batched_tokens=4096, num_threads=2,
+               disable_hybrid_kv_cache_manager=request.param)
+
+
+def _last_logits(eng, ids, others=()) -> tuple[torch.Tensor, int]:
+    """(logits of the last prompt token, the first position computed), with ``others`` (token
+    lists) prefilled in the same step."""
+    reqs = [eng.add_request(list(o), SamplingParams(max_tokens=1)) for o in others]
+    req = eng.add_request(list(ids), SamplingParams(max_tokens=1))
+    sched = eng.scheduler.schedule()
+    mine = [c for c in sched.chunks if c.request is req]
+    assert mine and mine[0].start + mine[0].num_tokens == len(ids), "the prompt must fit one step"
+    assert len(sched.chunks) == len(others) + 1, "the others must share the step"
+    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+    logits, owners = eng.runner.forward_logits(sched.chunks, tables)
+    out = logits[[o.request for o in owners].index(req)].clone()
+    eng.scheduler.update(sched, {})
+    for r in reqs + [req]:
+        eng.abort(r.request_id)
+    return out, mine[0].start
+
+
+def test_the_model_has_the_window(gemma_dir):
+    arch = load_model(str(gemma_dir)).arch
+    assert arch.arch == "gemma3" and arch.sliding_window == WINDOW
+    assert arch.local_layers == (0, 1, 2, 3, 4)
+    assert PROMPT_LEN > 20 * WINDOW and SHARED // 16 * 16 > 1000
+
+
+def test_logits_bit_identical_cold_warm_and_batched(llm, prompts):
+    eng = llm.engine
+    prompt = prompts["prompt"]
+    eng.reset_prefix_cache()
+    cold, start = _last_logits(eng, prompt)
+    assert start == 0 and torch.isfinite(cold).all()
+    # a prefix of 1,088 tokens from a sibling prompt's blocks (the cache reset in between)
+    eng.reset_prefix_cache()
+    llm.generate([prompts["sibling"]], SamplingParams(max_tokens=1))
+    warm, start = _last_logits(eng, prompt)
+    assert start == SHARED // 16 * 16
+    assert torch.equal(warm, cold)
+    # every full block of the prompt from the cache (the last token is always computed)
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    warm_all, start = _last_logits(eng, prompt)
+    assert start == (PROMPT_LEN - 1) // 16 * 16
+    assert torch.equal(warm_all, cold)
+    # cold again, in one step with two unrelated prompts of other lengths
+    eng.reset_prefix_cache()
+    batched, start = _last_logits(eng, prompt, others=[prompts["other_a"], prompts["other_b"]])
+    assert start == 0 and torch.equal(batched, cold)
+    # warm and batched at once
+    batched_warm, start = _last_logits(eng, prompt, others=[prompts["other_b"]])
+    assert start > 1000 and torch.equal(batched_warm, cold)
+    assert eng.cache.pool.num_in_use == 0
+
+
+def test_greedy_tokens_and_logprobs_cold_warm_and_batched(llm, prompts):
+    """Eight greedy tokens decoded at positions 1,600+ (25 windows in): the same tokens and log
+    probabilities alone and cold, from the cache, and batched with other requests. The hybrid
+    pool only (the default; the logits test covers the other)."""
+    if llm.config.cache.disable_hybrid_kv_cache_manager:
+        pytest.skip("the default (hybrid) pool covers the generate path")
+    prompt = prompts["prompt"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    llm.reset_prefix_cache()
+    cold = llm.generate([prompt], params)[0]
+    warm = llm.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == (PROMPT_LEN - 1) // 16 * 16
+    llm.reset_prefix_cache()
+    batched = llm.generate([prompts["other_a"], prompt, prompts["sibling"]], params)[1]
+    assert len(cold.token_ids) == 8
+    for out in (warm, batched):
+        assert out.token_ids == cold.token_ids
+        assert out.outputs[0].logprobs == cold.outputs[0].logprobs
+    assert llm.engine.cache.pool.num_in_use == 0
