@@ -8,7 +8,15 @@ window. Printed: mode, top-1 agreement, mean and max KL(transformers || ours), p
 bytes of the weight tensors the mode keeps in memory.
 
 Text: the prefix-caching article (``../shared/mission``) then the README, tokenized with the
-model's tokenizer (no special tokens); none of it is in the model's training data.
+model's tokenizer (no special tokens); none of it is in the model's training data. It is scored
+as plain text, never through a chat template (so a base model without one, such as Gemma 3 270M,
+is scored the same way; the output says when the model has no template). Where the tokenizer
+starts every text with a BOS token (Gemma's does; the default SmolLM2's does not), each window
+starts with it, as the model saw its training text.
+
+``--model NAME_OR_PATH`` scores another model (a GGUF file, a Hugging Face directory, or
+``gemma3-270m``) against transformers on the same file; its default modes are ``default`` alone
+(``--modes`` picks more).
 
 Modes are ``DTYPE[:WEIGHTS][@KV]`` (``float32``, ``bfloat16``, ``bfloat16:int8``, ``default@int8``;
 ``default`` = no option given, the configuration a user gets; ``@KV`` the KV pool's element type,
@@ -19,6 +27,7 @@ dequantization: the scores must collapse.
 Run (from the repository root):
 
     .venv/bin/python benchmarks/bench_quality.py [--modes default,float32,bfloat16] [--positions 2048]
+        [--model gemma3-270m | --model FILE.gguf]
 
 Writes benchmarks/results/quality.json and prints a markdown table (stdout; progress on stderr).
 """
@@ -89,7 +98,6 @@ def damage(kind: str) -> None:
 
 def main() -> None:
     from hotprefix import LLM, quality
-    from hotprefix.model.loader import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=None,
@@ -103,12 +111,19 @@ def main() -> None:
                     help="a text file to score on (repeatable; default: the article, then the README)")
     ap.add_argument("--break", dest="break_", choices=BREAKS, default=None,
                     help="damage the weights to check the harness catches it (not a measurement)")
-    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/quality.json)")
+    ap.add_argument("--out", default=None, help="JSON result path (default benchmarks/results/"
+                    "quality.json; another --model: quality_<file stem>.json)")
+    common.add_model_argument(ap)
     args = ap.parse_args()
     common.setup_threads(args.threads)
 
-    specs = args.modes.split(",") if args.modes else \
-        MODES + (WEIGHT_MODES if quality.supports_weights_option() else [])
+    default_model = common.is_default_model(args.model)
+    if args.modes:
+        specs = args.modes.split(",")
+    elif default_model:
+        specs = MODES + (WEIGHT_MODES if quality.supports_weights_option() else [])
+    else:
+        specs = ["default"]  # the weight modes are the default model's question
     modes = [quality.QualityMode.parse(s) for s in specs]
     for m in modes:
         m.llm_options()  # a weights mode without the option fails here, before any loading
@@ -117,7 +132,7 @@ def main() -> None:
 
     paths = [p for p in (args.text or TEXTS) if os.path.exists(p)]
     texts = [open(p, encoding="utf-8").read() for p in paths]
-    model_path = default_model_path()
+    model_path = common.default_model_file(args.model)[0]
     t0 = time.perf_counter()
     ref_model = quality.load_reference(model_path)
     log(f"transformers fp32 loaded in {time.perf_counter() - t0:.1f}s")
@@ -125,11 +140,14 @@ def main() -> None:
     results, windows, refs = [], None, None
     for m in modes:
         t0 = time.perf_counter()
-        llm = LLM(num_threads=args.threads, kv_cache_memory="16MiB", enable_prefix_caching=False,
-                  **m.llm_options())
+        llm = LLM(args.model, num_threads=args.threads, kv_cache_memory="16MiB",
+                  enable_prefix_caching=False, **m.llm_options())
         runner = llm.engine.runner
         if windows is None:
             windows = quality.windows_from_text(llm.tokenizer, texts, args.positions, args.window)
+            start = llm.tokenizer.encode("", add_special_tokens=True)  # [BOS] where one is added
+            windows = [start + w for w in windows]
+            no_template = not llm.tokenizer.chat_template
             counts = [len(llm.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
             paths = [p for i, p in enumerate(paths) if sum(counts[:i]) < args.positions]  # those used
             t1 = time.perf_counter()
@@ -150,8 +168,13 @@ def main() -> None:
             for r, dtype, kv, bpt in results]
     table = common.md_table(["mode", "compute dtype", "KV dtype", "KV bytes/token", "top-1 agreement",
                              "mean KL", "max KL", "positions", "weight memory"], rows)
-    note = (f"_against transformers fp32 on the same GGUF, teacher forcing over "
-            f"{', '.join(os.path.basename(p) for p in paths)} in windows of {args.window} tokens; "
+    model_name = os.path.basename(model_path.rstrip(os.sep))
+    text_note = (" as plain text (no chat template: the model has none)" if no_template
+                 else " as plain text (no chat template)")
+    bos_note = f", each window after the tokenizer's {len(start)} start token(s)" if start else ""
+    note = (f"_{model_name} against transformers fp32 on the same file, teacher forcing over "
+            f"{', '.join(os.path.basename(p) for p in paths)}{text_note} in windows of "
+            f"{args.window} tokens{bos_note}; "
             f"KL(transformers || ours) in nats; weight memory = bytes of the model's weight tensors "
             f"(a packed copy of a tied LM head counts)._")
     if args.break_:
@@ -161,8 +184,12 @@ def main() -> None:
     if args.break_ and not args.out:
         return  # a check of the harness, not a result to keep
     env = common.environment(args.threads, quick=False)
-    common.write_json(args.out or os.path.join(common.RESULTS_DIR, "quality.json"), {
-        "benchmark": "quality", "environment": env, "texts": [os.path.basename(p) for p in paths],
+    default_out = "quality.json" if default_model else \
+        f"quality_{os.path.splitext(model_name)[0]}.json"
+    common.write_json(args.out or os.path.join(common.RESULTS_DIR, default_out), {
+        "benchmark": "quality", "environment": env, "model": model_name,
+        "plain_text_no_chat_template": no_template, "start_tokens": start,
+        "texts": [os.path.basename(p) for p in paths],
         "window": args.window, "damaged": args.break_,
         "results": [{**r.__dict__, "compute_dtype": dtype, "kv_cache_dtype": kv,
                      "kv_bytes_per_token": bpt} for r, dtype, kv, bpt in results],

@@ -187,10 +187,13 @@ def compare_logits(ref: torch.Tensor, ours: torch.Tensor) -> tuple[int, torch.Te
     if ref.shape != ours.shape:
         raise ValueError(f"logits shapes differ: reference {tuple(ref.shape)}, ours {tuple(ours.shape)}")
     agree = int((ref.argmax(-1) == ours.argmax(-1)).sum())
-    lp = torch.log_softmax(ref.double(), -1)
-    lq = torch.log_softmax(ours.double(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).clamp(min=0.0)
-    return agree, kl
+    rows = max(1, 2 ** 24 // max(1, ref.shape[-1]))  # a few float64 copies of 128 MiB at a time
+    kl = []
+    for i in range(0, ref.shape[0], rows):  # (a 262k vocabulary's window would take GiBs at once)
+        lp = torch.log_softmax(ref[i:i + rows].double(), -1)
+        lq = torch.log_softmax(ours[i:i + rows].double(), -1)
+        kl.append((lp.exp() * (lp - lq)).sum(-1).clamp(min=0.0))
+    return agree, torch.cat(kl) if kl else torch.zeros(0, dtype=torch.float64)
 
 
 def evaluate(runner, windows: Sequence[Sequence[int]], references: Sequence[torch.Tensor],
