@@ -69,3 +69,7 @@ def test_rates_come_from_the_engines_steps_and_the_report_counts_work_left():
     assert rep["decode_tokens"] == 40 + 3 + 30 + 40
     assert (rep["running"], rep["waiting"]) == (3, 1)
     assert rep["prefill_tok_s"] == pytest.approx(800.0) and rep["decode_token_s"] == pytest.approx(0.05)
+    assert rep["empty_blocks"] is None and rep["pool_blocks"] is None  # no pool: not reported
+    engine.cache = SimpleNamespace(pool=SimpleNamespace(empty=[7, 8, 9], num_blocks=64))
+    rep = meter.report(engine)
+    assert (rep["empty_blocks"], rep["pool_blocks"]) == (3, 64)  # how full, against the fleet

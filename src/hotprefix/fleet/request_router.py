@@ -97,7 +97,7 @@ class HotprefixRequestRouter(RequestRouter):
                                  float(stats.get("decode_tokens", 0)), stats.get("prefill_tok_s"),
                                  stats.get("decode_token_s"), stats.get("output_tokens"),
                                  stats.get("sampled_at"), stats.get("empty_blocks"),
-                                 stats.get("hit_ratio"))
+                                 stats.get("hit_ratio"), stats.get("pool_blocks"))
             endpoint = stats.get("kv_events")
             if endpoint and self._events_at.get(name) != endpoint and self.policy == "prefix":
                 if self.feed is None:

@@ -10,7 +10,7 @@ the scheduled chunks) and keeps exponentially weighted means of
     the engine's ``on_step`` outputs).
 
 ``report(engine)`` (call it on the engine's thread) reads the scheduler and the pool (its empty
-blocks): prompt tokens still to
+blocks and its size): prompt tokens still to
 prefill over the running and waiting requests, and decode tokens left: per request, what its
 ``max_tokens`` leaves, but no more than the mean output less what it has produced (at least one).
 The router prices a replica by that work at those rates (``hotprefix.router.load``).
@@ -93,7 +93,7 @@ class StepMeter:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "prefill_tok_s": self.prefill_tok_s, "decode_token_s": self.decode_token_s,
                 "output_tokens": mean_out, "hit_ratio": self.hit_ratio,
-                "empty_blocks": _empty_blocks(engine)}
+                "empty_blocks": _empty_blocks(engine), "pool_blocks": _pool_blocks(engine)}
 
 
 def _empty_blocks(engine: Any) -> int | None:
@@ -101,6 +101,13 @@ def _empty_blocks(engine: Any) -> int | None:
     pool = getattr(getattr(engine, "cache", None), "pool", None)
     empty = getattr(pool, "empty", None)
     return None if empty is None else len(empty)
+
+
+def _pool_blocks(engine: Any) -> int | None:
+    """Blocks in the pool (its capacity: how full it is against the rest of the fleet)."""
+    pool = getattr(getattr(engine, "cache", None), "pool", None)
+    n = getattr(pool, "num_blocks", None)
+    return n if isinstance(n, int) else None
 
 
 def _mean(old: float | None, new: float) -> float:

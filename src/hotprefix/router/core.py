@@ -2,15 +2,26 @@
 
 For the ``prefix`` policy, each replica is priced in seconds:
 
-    cost = its work + w x prefill time of what it has not cached + what the write evicts there
+    cost = its work + w x (prefill time of what it has not cached + what it strands elsewhere)
+           + what the write evicts there
 
 work + prefill time is the request's expected time to first token there. w (``prefill_weight``;
 derived by default) is 1 + the requests expected to queue behind it: the fleet's arrival rate per
 replica x the time until the queues empty, (mean work + this prefill) / (1 - utilization), both
 measured over the router's recent decisions; a second of prefill delays each of them too. A quiet
-fleet has w = 1. The eviction term prices the blocks the prompt writes beyond the replica's empty
-ones (when it reports them), each at its own prefill time. No token counts or ratios tuned on a
-trace.
+fleet has w = 1. Every block is priced at its own prefill time:
+
+  * stranded: sending a request away from the replica that holds its prefix leaves that
+    replica's copy of the prompt's *private* blocks (those no other continuation reads:
+    ``branches``) dead in its pool: blocks the fleet computed and will compute again, so they
+    count like the prefill (x w). A shared prefix is not stranded (its copy keeps serving the
+    others): copying it elsewhere replicates it.
+  * evicted: the blocks the prompt writes beyond the replica's empty ones, or beyond its share of
+    the fleet's filled blocks (its pool's share of the fleet's pool), whichever is more (when the
+    replicas report their pools): the fleet is one cache when its pools fill at the same pace, so
+    new prompts go where there is room for them and for the turns that follow them.
+
+No token counts or ratios tuned on a trace.
 
 The replica's work is the time its queued and running work takes at its own measured rates
 (``load``: prefill tokens left / prefill tok/s + decode tokens left x s per decoded token), plus
@@ -24,10 +35,13 @@ for ``decision_ttl_s``): with events off, late or dropped, a conversation's next
 its replica.
 
   * Affinity yields by time, not by a token count: a holder is passed over when its queue is longer
-    than (w x) the prefill time it saves, and the replica that then computes the prompt becomes a
-    holder too (a hot prefix is replicated by routing when its one holder is the bottleneck).
-  * A prefix every replica holds (a shared system prompt, a shared KV tier) saves the same time
-    everywhere, so it is no reason to pile up: the choice is by work alone.
+    than w x the prefill time it saves (and the private blocks it would strand), and the replica
+    that then computes the prompt becomes a holder too: a hot shared prefix is replicated by
+    routing when its one holder is the bottleneck, and from then on spreads by work.
+  * A prefix every replica holds, or can load from a shared KV tier (a Redis/Valkey tier the
+    holder wrote it to: its ``BlockStored`` events name that medium), saves the same time
+    everywhere (tier blocks at ``tier_weight`` of a prefill), so it is no reason to pile up: the
+    choice is by work; the replicas that load it become holders in their pools.
   * Equal costs (a quiet fleet, a prompt nobody holds) go to a random one of them.
   * OpenAI's ``prompt_cache_key``: the same key goes to the same replica while that replica is
     dearer than the cheapest by no more than the whole prompt's prefill time.
@@ -48,6 +62,7 @@ from typing import Any, Callable, Sequence
 
 from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.rules import cacheable_blocks
+from hotprefix.router.branches import BranchMap
 from hotprefix.router.config import RouterConfig
 from hotprefix.router.index import BlockIndex
 from hotprefix.router.load import Pending, ReplicaLoad
@@ -112,6 +127,8 @@ class Router:
         """(block key, replica) for every block the router sent to a replica, until ``decision_ttl_s``."""
         self.affinity: TtlMap[str, str] = TtlMap(self.config.decision_ttl_s,
                                                  self.config.max_affinity_keys)
+        self.branches = BranchMap(self.config.decision_ttl_s, self.config.max_remembered_blocks)
+        """Which blocks more than one continuation reads (shared prefixes), from the routed prompts."""
         self.index.listeners.append(lambda r, k: self.memory.discard((k, r)))  # events win
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)
         """(arrival time, seconds of work) of the last decisions."""
@@ -143,17 +160,19 @@ class Router:
     def report(self, replica: str, prefill_tokens: float, decode_tokens: float = 0.0,
                prefill_tok_s: float | None = None, decode_token_s: float | None = None,
                output_tokens: float | None = None, sampled_at: float | None = None,
-               empty_blocks: float | None = None, hit_ratio: float | None = None) -> None:
+               empty_blocks: float | None = None, hit_ratio: float | None = None,
+               pool_blocks: float | None = None) -> None:
         """A replica's report: prompt tokens still to prefill and decode tokens left over its
         running and waiting requests, its measured rates (None: unchanged), the mean output of
         its requests; ``sampled_at`` (router clock, default now): when the replica measured it
-        (what was routed there before is in it); ``empty_blocks`` and ``hit_ratio``: its pool's
-        empty blocks and the share of its prompt tokens it served from cache."""
+        (what was routed there before is in it); ``empty_blocks``, ``hit_ratio``, ``pool_blocks``:
+        its pool's empty blocks, the share of its prompt tokens it served from cache, and its pool's
+        size in blocks."""
         if replica in self.loads:
             self.loads[replica].report(prefill_tokens, decode_tokens,
                                        self.clock() if sampled_at is None else sampled_at,
                                        prefill_tok_s, decode_token_s, output_tokens,
-                                       empty_blocks, hit_ratio)
+                                       empty_blocks, hit_ratio, pool_blocks)
 
     def set_load(self, replica: str, tokens: float) -> None:
         """A report of ``tokens`` still to prefill and nothing to decode (rates unchanged)."""
@@ -205,15 +224,32 @@ class Router:
         return sum(known) / len(known) if known else 0.0
 
     def eviction_s(self, replica: str, compute: int) -> float:
-        """What writing ``compute`` new tokens' blocks on ``replica`` evicts, in prefill seconds:
-        the blocks beyond its empty ones, each worth its own prefill time (the pool kept it because
-        its policy expects it back; a replica's measured hit ratio would undervalue exactly the
-        pool that thrashes). 0 where the replica does not report its empty blocks."""
+        """What writing ``compute`` new tokens' blocks on ``replica`` evicts, in prefill seconds,
+        each block at its own prefill time (the pool kept it because its policy expects it back; a
+        replica's measured hit ratio would undervalue exactly the pool that thrashes). The blocks
+        evicted are the larger of
+
+          * those beyond its empty ones (evicted now), and
+          * those beyond its share of the fleet's filled blocks (its pool's share of the fleet's
+            pool): the fleet acts as one cache only when every pool fills at the same pace; a
+            replica filled ahead of the others evicts the prompts that return to it (and grow)
+            while their pools still have room. Where pool sizes are reported.
+
+        0 where the replica does not report its empty blocks."""
         load = self.loads[replica]
         empty = load.empty_left()
         if empty is None:
             return 0.0
-        over = compute / self.block_size - empty
+        blocks = compute / self.block_size
+        over = blocks - empty
+        filled = load.filled()
+        if filled is not None:
+            fleet = [self.loads[r] for r in self.replicas]
+            fills = [x.filled() for x in fleet]
+            if all(f is not None for f in fills):
+                total = sum(x.pool_blocks for x in fleet)  # type: ignore[misc]
+                share = load.pool_blocks / total  # type: ignore[operator]
+                over = max(over, filled + blocks - share * (sum(fills) + blocks))  # type: ignore[arg-type]
         return max(0.0, over) * self.block_size / self.rates(replica)[0]
 
     def view(self) -> dict[str, dict[str, float]]:
@@ -259,7 +295,7 @@ class Router:
             d = self._plain(self._least(self.replicas, self.work_s), "least_loaded", num_tokens)
         else:
             d = self._route_prefix(keys[:cacheable_blocks(num_tokens, self.block_size)], num_tokens,
-                                   prompt_cache_key)
+                                   prompt_cache_key, keys)
         d.decode_tokens = self.expected_output(d.replica) if decode_tokens is None else decode_tokens
         now = self.clock()
         pre, dec = self.rates(d.replica)
@@ -268,6 +304,7 @@ class Router:
         self.loads[d.replica].add(d.pending)
         for k in keys:
             self.memory.set((k, d.replica), True, now)
+        self.branches.add(keys, now)
         if prompt_cache_key is not None:
             self.affinity.set(prompt_cache_key, d.replica, now)
         return d
@@ -297,7 +334,7 @@ class Router:
         return (len(rec) - 1) / span / n, min(MAX_UTILIZATION, work / span / n)
 
     def _route_prefix(self, keys: Sequence[BlockKey], num_tokens: int,
-                      prompt_cache_key: str | None) -> Decision:
+                      prompt_cache_key: str | None, all_keys: Sequence[BlockKey]) -> Decision:
         cfg = self.config
         bs = self.block_size
         now = self.clock()
@@ -306,9 +343,16 @@ class Router:
         scored: dict[str, Decision] = {}
         lam, rho = self.traffic() if cfg.prefill_weight is None else (0.0, 0.0)
         mean_wait = sum(self.work_s(r) for r in self.replicas) / len(self.replicas)
+        holder = max(self.replicas, key=lambda r: runs[r][0])
+        held = runs[holder][0]
+        # the holder's copy of the prompt's private blocks (no other continuation reads them) is
+        # stranded there if the request goes elsewhere: dead blocks the fleet computed for nothing
+        private = self.branches.private_from(all_keys, 0, held, now)
+        strand_block_s = bs / self.rates(holder)[0]
         for r in self.replicas:
             pool, tier = runs[r]
             pre, _ = self.rates(r)
+            strand_s = max(0, held - max(pool, private)) * strand_block_s
             compute = max(1, num_tokens - (pool + tier) * bs)
             prefill_s = (compute + cfg.tier_weight * tier * bs) / pre
             wait = self.work_s(r)
@@ -317,7 +361,7 @@ class Router:
             w = (1 + lam * (mean_wait + prefill_s) / (1 - rho) if cfg.prefill_weight is None
                  else cfg.prefill_weight)
             scored[r] = Decision(r, "prefix", pool, tier, compute,
-                                 cost=wait + w * prefill_s + self.eviction_s(r, compute),
+                                 cost=wait + w * (prefill_s + strand_s) + self.eviction_s(r, compute),
                                  ttft_s=wait + prefill_s)
         best = self._least(self.replicas, lambda r: scored[r].cost)
         if prompt_cache_key is not None:

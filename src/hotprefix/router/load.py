@@ -10,7 +10,8 @@ advanced). The router turns that into *seconds of work*:
 and adds, at once, every request it routes there (optimistic accounting), so a burst of decisions
 between two reports sees each other. A report supersedes the additions made before it was sampled;
 ``finished`` takes one back early. A replica may also report its empty pool blocks and its hit
-ratio: what writing a prompt there evicts, and what an evicted block was worth. Rates a replica has not measured yet are the fleet's mean of
+ratio and its pool's size: what writing a prompt there evicts, what an evicted block was worth,
+and how full it is against the rest of the fleet. Rates a replica has not measured yet are the fleet's mean of
 those it has (a fleet of identical replicas then compares work in tokens, whatever the priors).
 
 Knows nothing about blocks or policies. Imports no torch.
@@ -52,13 +53,15 @@ class ReplicaLoad:
     hit_ratio: float | None = None
     """Share of its prompt tokens served from its cache (what a cached block is worth: the chance
     it is read again)."""
+    pool_blocks: float | None = None
+    """Blocks in its pool (its capacity); None: not reported."""
     sampled_at: float = float("-inf")
     pending: list[Pending] = field(default_factory=list)
 
     def report(self, prefill_tokens: float, decode_tokens: float, sampled_at: float,
                prefill_tok_s: float | None = None, decode_token_s: float | None = None,
                output_tokens: float | None = None, empty_blocks: float | None = None,
-               hit_ratio: float | None = None) -> None:
+               hit_ratio: float | None = None, pool_blocks: float | None = None) -> None:
         """A new report: it already counts what was routed here before ``sampled_at``."""
         self.prefill_tokens = max(0.0, float(prefill_tokens))
         self.decode_tokens = max(0.0, float(decode_tokens))
@@ -72,6 +75,8 @@ class ReplicaLoad:
             self.empty_blocks = max(0.0, float(empty_blocks))
         if hit_ratio is not None:
             self.hit_ratio = min(1.0, max(0.0, float(hit_ratio)))
+        if pool_blocks is not None and pool_blocks > 0:
+            self.pool_blocks = float(pool_blocks)
         self.sampled_at = sampled_at
         self.pending = [p for p in self.pending if p.at > sampled_at]
 
@@ -95,6 +100,14 @@ class ReplicaLoad:
         if self.empty_blocks is None:
             return None
         return max(0.0, self.empty_blocks - sum(p.blocks for p in self.pending))
+
+    def filled(self) -> float | None:
+        """Pool blocks holding something (reported, plus what was routed here since); None where
+        the pool's size or its empty blocks are not reported."""
+        empty = self.empty_left()
+        if empty is None or self.pool_blocks is None:
+            return None
+        return max(0.0, self.pool_blocks - empty)
 
     def work_s(self, prefill_tok_s: float, decode_token_s: float) -> float:
         """Seconds its queued and running work takes at these rates (its own, once measured)."""

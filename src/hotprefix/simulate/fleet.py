@@ -13,7 +13,8 @@ core's own cost model: a request adds its prefill (the tokens the replica comput
 minus hit, at that replica's prefill rate) and its decode (its output tokens at that replica's
 seconds per decoded token, when decode rates are given), and each replica works its queue off in
 trace time between arrivals. At every arrival each replica reports its prefill and decode tokens
-left and its rates to the router (a report as the replicas send it, never stale here), and the
+left, its rates, its pool's empty blocks and size to the router (a report as the replicas send it,
+never stale here), and the
 request's modelled time to first token is the work ahead of it on its replica plus its own
 prefill: the same quantity the router minimizes.
 
@@ -267,7 +268,7 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
             f = rep.figures
             seen = f.hit_tokens + f.computed_tokens
             rt.report(name, pre, dec, rep.prefill_tok_s, rep.decode_token_s or None, mean_out, t,
-                      empty_blocks=len(rep.mgr.pool.empty),
+                      empty_blocks=len(rep.mgr.pool.empty), pool_blocks=num_blocks,
                       hit_ratio=f.hit_tokens / seen if seen else None)
             res.max_load_tokens = max(res.max_load_tokens, pre)
         tokens = r.tokens(bs)
