@@ -99,6 +99,12 @@ class KVCacheManager:
             return table
         return [table, *self.windows.tables(request_id)]
 
+    def pages_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """Most pool blocks one sequence of ``num_tokens`` holds at once, computed in chunks of up
+        to ``chunk`` tokens (a hybrid pool's window groups hold only their windows)."""
+        blocks = math.ceil(num_tokens / self.block_size)
+        return blocks + (self.windows.pages_to_hold(num_tokens, chunk) if self.windows else 0)
+
     def num_blocks_held(self, request_id: str) -> int:
         st = self._reqs.get(request_id)
         held = len(st.blocks) if st else 0
@@ -480,7 +486,19 @@ class KVCacheManager:
             "evictions_per_second": len(recent) / 60.0,
             "eviction_policy": p.policy.name,
             "eviction_policy_state": p.policy.describe(),
+            **self._window_figures(),
         }
+
+    def _window_figures(self) -> dict[str, Any]:
+        """A hybrid pool's groups and hits by hit kind (operator only: they move with every
+        tenant's traffic)."""
+        w = self.windows
+        if w is None:
+            return {}
+        return {"kv_groups": w.describe(len(w.groups) + 1),
+                "blocks_interior": len(self.pool.low),
+                "window_hits_by_kind": dict(w.hits_by_kind),
+                "window_resumed_earlier": w.resumed_earlier}
 
     def tenant_snapshot(self, salt: str | None) -> dict[str, Any]:
         """One tenant's view: its own requests only, and nothing that moves with other tenants'

@@ -132,6 +132,14 @@ class WindowGroups:
                 need += sum(1 for i in range(lo, hi) if i >= len(t) or t[i] is None)
         return need
 
+    def pages_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """Most pages the groups hold at once for one sequence of ``num_tokens`` computed in
+        chunks of up to ``chunk`` tokens."""
+        bs = self.block_size
+        blocks = -(-num_tokens // bs)
+        return sum(blocks if not w else min(blocks, -(-(w - 1 + chunk) // bs) + 1)
+                   for w in self.windows)
+
     def evictable_hits(self, keys: Sequence[BlockKey], resume: int) -> int:
         """Window blocks a resume at ``resume`` would take out of the evictable ones."""
         if not resume:
@@ -267,6 +275,21 @@ class WindowGroups:
         if st is None:
             return [[] for _ in self.groups]
         return [[b.block_id if b is not None else PAD for b in t] for t in st.tables]
+
+    def describe(self, num_groups: int) -> list[dict]:
+        """Per group (0 .. ``num_groups - 1``): pages in use and cached (the operator's view)."""
+        in_use = [0] * num_groups
+        for st in self._reqs.values():
+            for g, t in zip(self.groups, st.tables):
+                in_use[g] += sum(b is not None for b in t)
+        in_use[0] = self.pool.num_in_use - sum(in_use)  # the rest is group 0's
+        cached = [0] * num_groups
+        kept = [0] * num_groups
+        for b in self.pool.index.values():
+            cached[b.group] += 1
+            kept[b.group] += b.kept
+        return [{"group": g, "pages_in_use": in_use[g], "pages_cached": cached[g],
+                 "pages_kept": kept[g] if g else cached[g]} for g in range(num_groups)]
 
     def num_held(self, request_id: str) -> int:
         st = self._reqs.get(request_id)

@@ -412,6 +412,15 @@ class LLMEngine:
         s = self.cache.snapshot()
         s.update(common, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                  state=self.state_health(), tiers=self.tier_stats())
+        lay = self.runner.layout
+        page_bytes = self.runner.bytes_per_token * self.block_size * lay.page_layers // lay.num_layers
+        groups = s.get("kv_groups") or [{"group": 0, "pages_in_use": s["blocks_in_use"],
+                                         "pages_cached": s["blocks_cached"],
+                                         "pages_kept": s["blocks_cached"]}]
+        for g, desc in zip(groups, lay.describe()):
+            g.update(desc, bytes_in_use=g["pages_in_use"] * page_bytes,
+                     bytes_cached=g["pages_cached"] * page_bytes)
+        s.update(kv_groups=groups, page_bytes=page_bytes, hybrid_kv=lay.hybrid)
         return s
 
     def load_tokens(self) -> int:

@@ -89,7 +89,8 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens, but this model's max_model_len is "
                 f"{self.max_model_len} (prompt + at least one generated token must fit)",
                 "context_length_exceeded")
-        if math.ceil((num_prompt_tokens + 1) / self.block_size) > self.manager.pool.num_blocks:
+        chunk = self.config.max_num_batched_tokens
+        if self.manager.pages_to_hold(num_prompt_tokens + 1, chunk) > self.manager.pool.num_blocks:
             raise RequestRejected(
                 f"the prompt has {num_prompt_tokens} tokens, more than the KV pool holds "
                 f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory",

@@ -84,6 +84,18 @@ class _CacheCollector:
         ]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        for key, doc in (("bytes_cached", "Bytes of cached KV pages, by KV group."),
+                         ("bytes_in_use", "Bytes of KV pages referenced by running requests, by KV group.")):
+            fam = GaugeMetricFamily(f"hotprefix_kv_group_{key}", doc, labels=["group", "kind"])
+            for g in s.get("kv_groups", []):
+                fam.add_metric([str(g["group"]), g["kind"]], float(g[key]))
+            yield fam
+        hits = CounterMetricFamily("hotprefix_window_hits",
+                                   "Hybrid pool: hits resumed, by the kind of hit point whose window served them.",
+                                   labels=["kind"])
+        for kind, n in sorted(s.get("window_hits_by_kind", {}).items()):
+            hits.add_metric([kind], float(n))
+        yield hits
         tiers = s["tiers"]
         for key, doc in TIER_COUNTERS:
             fam = CounterMetricFamily(f"hotprefix_kv_tier_{key}", doc, labels=["tier"])
