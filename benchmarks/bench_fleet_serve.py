@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": common.environment(args.threads, args.quick),
                                "max_tokens": args.max_tokens, "stagger_s": args.stagger_s,
                                "router_options": opts, "workloads": {}}
+    out_path = args.out or os.path.join(common.RESULTS_DIR, "fleet_serve.json")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 
     def fleet(w: Workload, router: str, replicas: int, blocks: int | None) -> dict[str, Any]:
@@ -263,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             serve.delete(APP_NAME)
         common.log(f"{w.name} / {router}: hit ratio {summary['hit_ratio']:.3f}, mean TTFT "
-                   f"{summary['mean_ttft_s']:.3f}s, p90 {summary['p90_ttft_s']:.3f}s, "
-                   f"{summary['wall_s']:.0f}s")
+                   f"{summary['mean_ttft_s']:.3f}s, p50 {summary['p50_ttft_s']:.3f}s, p90 "
+                   f"{summary['p90_ttft_s']:.3f}s, requests per replica "
+                   f"{summary['requests_per_replica']}, {summary['wall_s']:.0f}s")
         return {"summary": summary, "requests": rows}
 
     try:
@@ -277,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             if w.ideal:
                 res["routers"]["ideal (1 replica, both pools)"] = fleet(w, "ideal", 1, 2 * w.num_blocks)
             results["workloads"][w.name] = res
+            common.write_json(out_path, results)  # what has run so far, if a later fleet fails
     finally:
         serve.shutdown()
         ray.shutdown()
     report(results)
-    common.write_json(args.out or os.path.join(common.RESULTS_DIR, "fleet_serve.json"), results)
+    common.write_json(out_path, results)
     return 0
 
 

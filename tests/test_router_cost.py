@@ -253,6 +253,9 @@ def test_new_prompts_fill_the_pools_at_the_same_pace():
             empty[d.replica] -= d.prefill_tokens // BS
             picks.append(d.replica)
             r.t[0] += 1.0
+        if report_pools:  # the view: reported fill plus the decision made since
+            assert {n: (v["filled_blocks"], v["pool_blocks"]) for n, v in r.view().items()} == {
+                n: (p - empty[n], p) for n, p in zip(r.replicas, pools)}
         return picks
 
     blind = run([100] * 3, False)
@@ -260,6 +263,8 @@ def test_new_prompts_fill_the_pools_at_the_same_pace():
     even = Counter(run([100] * 3, True))
     assert max(even.values()) - min(even.values()) <= 2
     big = Counter(run([100, 200, 100], True))
+    view = Router(["a"], BS, RouterConfig(), HASHER).view()["a"]
+    assert view["filled_blocks"] is None and view["pool_blocks"] is None  # not reported: no term
     assert big["r1"] >= 14 and big["r1"] > max(big["r0"], big["r2"]) + 4
 
 

@@ -253,15 +253,20 @@ class Router:
         return max(0.0, over) * self.block_size / self.rates(replica)[0]
 
     def view(self) -> dict[str, dict[str, float]]:
-        """Per replica: work seconds, tokens (prefill, decode) counted, rates; for stats pages."""
+        """Per replica: work seconds, tokens (prefill, decode) counted, rates, pool blocks filled
+        and in all (None: not reported); for stats pages."""
         out = {}
         for r in self.replicas:
-            pre, dec = self.loads[r].tokens()
+            load = self.loads[r]
+            pre, dec = load.tokens()
             p, d = self.rates(r)
+            filled = load.filled()
             out[r] = {"work_s": round(self.work_s(r), 4), "prefill_tokens": round(pre),
                       "decode_tokens": round(dec), "prefill_tok_s": round(p, 1),
-                      "decode_token_s": round(d, 6), "pending": len(self.loads[r].pending),
-                      "measured": self.loads[r].prefill_tok_s is not None}
+                      "decode_token_s": round(d, 6), "pending": len(load.pending),
+                      "measured": load.prefill_tok_s is not None,
+                      "filled_blocks": None if filled is None else round(filled),
+                      "pool_blocks": None if load.pool_blocks is None else round(load.pool_blocks)}
         return out
 
     # ------------------------------------------------------------------ routing
