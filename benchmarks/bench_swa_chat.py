@@ -47,6 +47,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -173,6 +174,16 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout: float =
     raise RuntimeError(f"server at {url} not ready after {timeout:.0f}s (log: {log_path})")
 
 
+LIVE: list["Server"] = []
+"""Servers started by this process: a SIGTERM stops them before the process ends."""
+
+
+def _on_sigterm(*_: Any) -> None:
+    for srv in LIVE:
+        srv.stop()
+    os._exit(143)
+
+
 @dataclass
 class Server:
     label: str
@@ -184,6 +195,7 @@ class Server:
     startup_s: float = 0.0
 
     def start(self) -> None:
+        LIVE.append(self)
         t0 = time.perf_counter()
         log_f = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=log_f, stderr=subprocess.STDOUT,
@@ -373,7 +385,7 @@ def report(res: dict[str, Any], turns: int) -> None:
     for name, c in cfgs.items():
         s = c["summary"]
         log_n = c.get("llama_log", {}).get("full_reprocess")
-        rows.append([LABELS[name] + (" (earlier run)" if "earlier_run" in c else ""), f"{s['hit_ratio']:.3f}",
+        rows.append([LABELS[name] + (" (other run)" if "earlier_run" in c else ""), f"{s['hit_ratio']:.3f}",
                      fmt_ratio(ratio(s["hit_ratio"], base["hit_ratio"])) if base else "-",
                      f"{s['mean_ttft_s']:.3f}", fmt_ratio(ratio(s["mean_ttft_s"], base["mean_ttft_s"])) if base else "-",
                      f"{s['p90_ttft_s']:.3f}", fmt_ratio(ratio(s["p90_ttft_s"], base["p90_ttft_s"])) if base else "-",
@@ -410,8 +422,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--hotprefix-src", default=None,
                     help="a hotprefix src/ folder the servers import first (e.g. a `git archive` of a "
                          "commit), instead of the installed one")
-    ap.add_argument("--merge", default=None, metavar="EARLIER.json",
-                    help="add the contenders of an earlier run of the same workload and sizing")
+    ap.add_argument("--merge", action="append", default=[], metavar="EARLIER.json",
+                    help="add the contenders of an earlier run of the same workload and sizing "
+                         "(repeatable; with --configs none: only merge and report)")
     ap.add_argument("--keep-logs", default=None, help="folder to keep the servers' logs in")
     args = ap.parse_args(argv)
     q = args.quick
@@ -427,6 +440,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     if args.hotprefix_src:  # this process's tokenizer from the same source as the servers
         sys.path.insert(0, os.path.abspath(args.hotprefix_src))
     from hotprefix.model.metadata import resolve_model_path
@@ -465,9 +479,9 @@ def merge_earlier(results: dict[str, Any], path: str) -> None:
             c.setdefault("earlier_run", {"time": env.get("time"), "load_avg_at_start": env.get("load_avg_at_start"),
                                          "hotprefix": old.get("hotprefix")})
             results["configs"][name] = c
-            results["notes"].append(f"{LABELS[name]}: from an earlier run ({env.get('time')}, load "
+            results["notes"].append(f"{LABELS[name]}: from another run ({env.get('time')}, load "
                                     f"{env.get('load_avg_at_start')}): its hit ratios and re-prefills "
-                                    "compare; its TTFTs were taken under other load")
+                                    "compare; its TTFTs were taken in another process, under other load")
 
 
 def git_head() -> str | None:
@@ -478,7 +492,7 @@ def git_head() -> str | None:
 def run(args, gguf: str) -> int:
     from hotprefix.tokenizer import Tokenizer
 
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip() not in ("", "none")]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown --configs {unknown}; choose from {list(CONFIGS)}")
@@ -521,6 +535,7 @@ def run(args, gguf: str) -> int:
           f"{budget / 2**20:.1f} MiB) against {sum(full_tokens)} tokens for all sessions; llama-server "
           f"-np {args.concurrency} -c {llama_ctx} ({slot_ctx} a slot)")
 
+    out_path = args.out or os.path.join(common.RESULTS_DIR, "swa_chat_quick.json" if args.quick else "swa_chat.json")
     logdir = args.keep_logs or tempfile.mkdtemp(prefix="bench_swa_chat_")
     os.makedirs(logdir, exist_ok=True)
     results: dict[str, Any] = {"environment": common.environment(args.threads, args.quick),
@@ -576,9 +591,10 @@ def run(args, gguf: str) -> int:
                    + (f", log '{REPROCESS_LINE}' x{info['llama_log']['full_reprocess']}" if kind == "llama" else "")
                    + f", {info['wall_s']:.0f}s")
         results["configs"][name] = info
+        common.write_json(out_path + ".partial", results)  # what is done so far, should a run be cut short
 
-    if args.merge:
-        merge_earlier(results, args.merge)
+    for path in args.merge:
+        merge_earlier(results, path)
     # the same prompts on both sides: turn 1's prompt tokens per session
     firsts = {n: {r["session"]: r["prompt_tokens"] for r in c["requests"] if r["turn"] == 0}
               for n, c in results["configs"].items()}
@@ -597,8 +613,9 @@ def run(args, gguf: str) -> int:
     report(results, args.turns)
     for n in notes:
         print(f"\nnote: {n}")
-    default = "swa_chat_quick.json" if args.quick else "swa_chat.json"
-    common.write_json(args.out or os.path.join(common.RESULTS_DIR, default), results)
+    common.write_json(out_path, results)
+    if os.path.exists(out_path + ".partial"):
+        os.unlink(out_path + ".partial")
     return 0
 
 
