@@ -4,6 +4,9 @@ not change across restarts), and a damaged or unwritable cache never stops a loa
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import transformers
 
 from hotprefix.model.loader import default_model_path
@@ -34,22 +37,36 @@ def _sources(monkeypatch) -> list[str]:
     return seen
 
 
-def test_built_once_then_read_from_the_cache_with_the_same_behaviour(monkeypatch, tmp_path):
-    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(cache directory, where the load read from, what it observed): the default GGUF's
+    tokenizer loaded once into an empty cache directory (a build from the file: seconds of CPU,
+    so made once and copied by the test that damages it)."""
+    root = tmp_path_factory.mktemp("tok-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOTPREFIX_CACHE_DIR", str(root))
+        seen = _sources(mp)
+        observed = _observed(Tokenizer.load(default_model_path()))
+    return root, seen, observed
+
+
+def test_built_once_then_read_from_the_cache_with_the_same_behaviour(monkeypatch, built):
+    root, seen_first, first = built
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(root))
     seen = _sources(monkeypatch)
     gguf = default_model_path()
-    first = Tokenizer.load(gguf)
-    entries = list((tmp_path / "tokenizers").iterdir())
+    entries = list((root / "tokenizers").iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").exists()
     second = Tokenizer.load(gguf)
-    assert seen == [gguf.rsplit("/", 1)[-1], str(entries[0])]  # the file, then the cache
-    assert _observed(second) == _observed(first)
+    assert seen_first + seen == [gguf.rsplit("/", 1)[-1], str(entries[0])]  # the file, then the cache
+    assert _observed(second) == first
 
 
-def test_a_damaged_entry_is_rebuilt_and_an_unwritable_cache_is_passed_over(monkeypatch, tmp_path):
+def test_a_damaged_entry_is_rebuilt_and_an_unwritable_cache_is_passed_over(monkeypatch, tmp_path, built):
+    shutil.copytree(built[0], tmp_path, dirs_exist_ok=True)
     monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
     gguf = default_model_path()
-    want = _observed(Tokenizer.load(gguf))
+    want = built[2]  # a load from the file into an empty cache directory
     (entry,) = (tmp_path / "tokenizers").iterdir()
     (entry / "tokenizer.json").write_text("{not json")
     assert _observed(Tokenizer.load(gguf)) == want
