@@ -1,6 +1,8 @@
 """A fleet on the Mooncake conversation trace (issues 14, 31): 4 replicas of 3M tokens behind prefix
 routing vs round-robin vs least-loaded, one 12M-token cache, and prefix routing with 10% of the
-KV events dropped (and with none at all: the router's memory of its own decisions only).
+KV events dropped (and with none at all: the router's memory of its own decisions only), and
+prefix routing over replicas that evict by LRU (against one LRU cache: how much of the gap to one
+cache is the replicas' eviction policy rather than the routing).
 
 Every replica is the engine's own cache code (``hotprefix simulate --replicas``: KVCacheManager,
 BlockPool, the default eviction policy); every request is routed by ``hotprefix.router.Router``;
@@ -46,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rows: dict[str, dict] = {}
 
-    def fleet(name: str, router: str, drop: float = 0.0, config: RouterConfig | None = None) -> None:
-        res = replay_fleet(reqs, REPLICAS, CAPACITY, router, policy, bs, drop_events=drop,
+    def fleet(name: str, router: str, drop: float = 0.0, config: RouterConfig | None = None,
+              pol: str = policy) -> None:
+        res = replay_fleet(reqs, REPLICAS, CAPACITY, router, pol, bs, drop_events=drop,
                            router_config=config)
         rows[name] = res.to_json()
         t = res.ttft()
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     fleet("prefix, 10% of events dropped", "prefix", 0.1)
     fleet("prefix, no events (own decisions only)", "prefix", 1.0)
     fleet("prefix, w = 1 (each request's own TTFT only)", "prefix", config=RouterConfig(prefill_weight=1.0))
+    if policy != "lru":  # the replicas' eviction policy, same router
+        fleet("prefix, lru replicas", "prefix", pol="lru")
     for pol in dict.fromkeys((policy, "lru")):
         one = replay(reqs, REPLICAS * CAPACITY, pol, bs)
         rows[f"one cache of {REPLICAS * CAPACITY // 10**6}M ({pol})"] = {
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefix modelled mean TTFT <= round_robin's": (px["modelled_ttft_s"]["mean"]
                                                       <= rr["modelled_ttft_s"]["mean"]),
     }
+    lru = rows.get("prefix, lru replicas")
+    if lru is not None:
+        one_lru = rows[f"one cache of {REPLICAS * CAPACITY // 10**6}M (lru)"]["block_hit_ratio"]
+        targets["prefix, lru replicas >= 0.95x one cache (lru)"] = lru["block_hit_ratio"] >= 0.95 * one_lru
     print()
     print(f"prefix / one cache = {px['block_hit_ratio'] / single:.3f}; prefix / round-robin = "
           f"{px['block_hit_ratio'] / rr['block_hit_ratio']:.2f}; 10% dropped / prefix = "

@@ -149,6 +149,9 @@ def test_fleet_stats_cover_both_replicas_and_tenants_see_only_their_own(fleet):
         s = admin_stats(fleet)
     assert set(s["router"]["work"]) == set(s["replicas"])
     assert any(w["measured"] and w["prefill_tok_s"] > 0 for w in s["router"]["work"].values())
+    # and its pool's size and fill (new prompts go where the fleet's pools have room)
+    assert all(w["pool_blocks"] and 0 < w["filled_blocks"] <= w["pool_blocks"]
+               for w in s["router"]["work"].values() if w["measured"])
     assert s["block_size"] == 16 and "eviction_policy_state" not in s  # settings: never summed
     bob = httpx.get(fleet + "/v1/cache/stats", headers=H_BOB, timeout=60).json()
     assert bob["view"] == "tenant" and "replicas" not in bob and "router" not in bob
