@@ -204,7 +204,7 @@ class KVCacheManager:
             st.num_committed = st.num_hit_blocks = len(hits)
             self._retain_hits(req, hits)
         if first and self.windows is not None:
-            self.windows.admit(req.request_id, self.keys(req), len(hits), self._hit_points(req, len(hits)))
+            self.windows.admit(req.request_id, self.keys(req), len(hits), self._hit_points(req))
         need = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size) - len(st.blocks)
         if need > 0:
             new = self.pool.allocate(need)
@@ -270,7 +270,7 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.store(self, req, placed)  # write-through to the KV tiers
 
-    def _hit_points(self, req: CacheRequest, resumed: int) -> dict[int, str]:
+    def _hit_points(self, req: CacheRequest) -> dict[int, str]:
         """Block counts where later requests are expected to resume (``window_groups``)."""
         bs = self.block_size
         points: dict[int, str] = {}
@@ -279,11 +279,10 @@ class KVCacheManager:
         for end, _ in req.pin_breakpoints:
             points.setdefault(end // bs, "breakpoint")
         cacheable = cacheable_blocks(req.num_prompt_tokens, bs)
-        if 0 < req.full_hit_blocks < cacheable:
-            points.setdefault(req.full_hit_blocks, "divergence")
+        n = req.full_hit_blocks
+        if 0 < n < cacheable and self.pool.cached_children(self.keys(req)[n - 1]):
+            points.setdefault(n, "divergence")  # another cached prompt goes on differently here
         points.setdefault(cacheable, "prompt_end")
-        if resumed:
-            points.setdefault(resumed, "resumed")
         points.pop(0, None)
         return points
 

@@ -85,12 +85,10 @@ class WindowGroups:
         """The block indices a group of ``window`` must hold to resume at block ``n``."""
         return range(self.first_needed(n * self.block_size, window), n)
 
-    def _kept(self, st: _WinState, i: int, window: int) -> str | None:
-        """The kind of a hit point of ``st`` whose window covers block ``i`` (None: interior)."""
-        for m, kind in st.hit_points.items():
-            if self.first_needed(m * self.block_size, window) <= i < m:
-                return kind
-        return None
+    def _kept(self, st: _WinState, i: int, window: int) -> set[str]:
+        """The kinds of the hit points of ``st`` whose windows cover block ``i`` (none: interior)."""
+        return {kind for m, kind in st.hit_points.items()
+                if self.first_needed(m * self.block_size, window) <= i < m}
 
     # ------------------------------------------------------------------ lookup
     def resume(self, keys: Sequence[BlockKey], token_ids: Sequence[int], n_full: int) -> int:
@@ -184,7 +182,12 @@ class WindowGroups:
     def _take_hits(self, st: _WinState, keys: Sequence[BlockKey], resume: int) -> None:
         hits = self.window_hits(keys, resume)
         last = hits[self.windows.index(self.window)][-1]
-        self.hits_by_kind[last.hit_kind or "window"] += 1
+        kind = last.hit_kind or "window"
+        self.hits_by_kind[kind] += 1
+        # where this request resumed stays a hit point: when a later turn's tail is evicted, the
+        # conversation can still resume from an earlier turn's end (measured: dropping old turns'
+        # windows as interior lost more hits in a pool near its capacity: bench_hybrid_pool.py)
+        st.hit_points.setdefault(resume, kind)
         for t, blocks in zip(st.tables, hits):
             self.pool.touch(blocks)
             lo = resume - len(blocks)
@@ -227,7 +230,7 @@ class WindowGroups:
     # ------------------------------------------------------------------ release
     def _release(self, st: _WinState, b: KVBlock, i: int, window: int) -> None:
         if b.key is not None:
-            if not b.kept and (not window or self._kept(st, i, window) is not None):
+            if not window or self._kept(st, i, window):
                 b.kept = True
             if i + 1 in st.hit_points and b.hit_kind is None:
                 b.hit_kind = st.hit_points[i + 1]

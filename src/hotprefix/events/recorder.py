@@ -55,20 +55,26 @@ class PoolEventRecorder:
 
     # ------------------------------------------------------------------ pool callbacks
     def on_stored(self, block: KVBlock) -> None:
-        """A block was cached (its key, parent and tokens are set)."""
+        """A block was cached (its key, parent and tokens are set). A hybrid pool's window-group
+        blocks are not announced: a router reads the full group's chain (``kv_groups``)."""
+        if block.group:
+            return
         rec = (_STORED, block.key, None if block.depth == 0 else block.parent, block.token_ids)
         with self._lock:
             self._records.append(rec)
 
     def on_removed(self, block: KVBlock) -> None:
         """A cached block is about to lose its key (it still carries key, parent and tokens)."""
+        if block.group:
+            return
         rec = (_REMOVED, block.key, None if block.depth == 0 else block.parent, block.token_ids)
         with self._lock:
             self._records.append(rec)
 
     def on_cleared(self) -> None:
         """The pool was reset: what is still cached is re-announced after the clear."""
-        kept = sorted(self.pool.index.values(), key=lambda b: b.depth)  # parents first
+        kept = sorted((b for b in self.pool.index.values() if not b.group),
+                      key=lambda b: b.depth)  # parents first
         recs = [(_STORED, b.key, None if b.depth == 0 else b.parent, b.token_ids) for b in kept]
         with self._lock:
             self._records.append((_CLEARED,))

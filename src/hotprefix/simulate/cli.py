@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from hotprefix.cache.eviction import POLICIES
+from hotprefix.cache.kv_groups import parse_layer_mix
 from hotprefix.config import CacheConfig
 from hotprefix.model.metadata import KV_ELEMENT_BYTES, ModelLoadError, kv_bytes_per_token
 from hotprefix.simulate import fleet_cli, traces
@@ -53,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "from it; the output gives hits by tier")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="replay only the first N requests (N >= 1)")
+    p.add_argument("--sliding-window", type=positive_int, default=None, metavar="W",
+                   help="a model with sliding-window layers of W keys: replay through the hybrid "
+                        "pool (the engine's KV groups) and through the full-KV pool at the same "
+                        "bytes, side by side (with --local-layers)")
+    p.add_argument("--local-layers", default=None, metavar="LOCAL/TOTAL",
+                   help="with --sliding-window: how many of the model's layers are window layers, "
+                        "e.g. 15/18 (Gemma 3 270M)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="miss-ratio curve: capacities up to the ceiling")
     p.add_argument("--out", default=".", help="--sweep: directory for mrc.png and mrc.json")
@@ -99,7 +107,48 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     if args.replicas is not None:
         return fleet_cli.run(args, reqs)
+    if (args.sliding_window is None) != (args.local_layers is None):
+        return _error("--sliding-window and --local-layers go together")
+    if args.sliding_window is not None:
+        if args.sweep:
+            return _error("--sliding-window replays one capacity (not with --sweep)")
+        return _run_hybrid(args, reqs)
     return _run_sweep(args, reqs) if args.sweep else _run_one(args, reqs)
+
+
+def _run_hybrid(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:
+    """The hybrid pool against the full-KV pool of the same bytes, one trace, one capacity."""
+    if args.capacity_tokens is None:
+        return _error("--capacity-tokens is required (the full-KV pool's tokens: both get its bytes)")
+    try:
+        layout = parse_layer_mix(args.local_layers, args.sliding_window)
+    except ValueError as e:
+        return _error(str(e))
+    name = args.policy or default_policy()
+    if name not in POLICIES:
+        return _error(f"--sliding-window replays an engine policy ({', '.join(sorted(POLICIES))})")
+    out = {}
+    for label, lay in (("full_kv", None), ("hybrid", layout)):
+        res = replay(reqs, args.capacity_tokens, name, args.block_size, args.admission_tail_tokens,
+                     layout=lay)
+        out[label] = res.to_json()
+    out["layout"] = {"sliding_window": args.sliding_window, "local_layers": args.local_layers,
+                     "page_layers": layout.page_layers, "groups": layout.describe()}
+    full, hyb = out["full_kv"]["token_hit_ratio"], out["hybrid"]["token_hit_ratio"]
+    out["hybrid_over_full_kv"] = round(hyb / full, 4) if full else None
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{name} @ {args.capacity_tokens:,} tokens of full K/V (block {args.block_size}), "
+              f"window {args.sliding_window}, {args.local_layers} window layers:")
+        for label in ("full_kv", "hybrid"):
+            o = out[label]
+            print(f"  {label:8s} token hit ratio {o['token_hit_ratio']:.4f}, block hit ratio "
+                  f"{o['block_hit_ratio']:.4f}, requests with zero hits "
+                  f"{o['zero_hit_requests']:,}/{o['requests']:,}, evictions {o['evictions']:,}")
+        ratio = out["hybrid_over_full_kv"]
+        print(f"  hybrid / full-KV token hit ratio: {ratio:.3f}x" if ratio else "  (full-KV hit nothing)")
+    return 0
 
 
 def _run_one(args: argparse.Namespace, reqs: list[traces.TraceRequest]) -> int:

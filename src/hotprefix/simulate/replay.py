@@ -17,9 +17,11 @@ from typing import Any, Sequence
 
 from hotprefix.cache.eviction import EvictionPolicy
 from hotprefix.cache.hashing import BlockKey
+from hotprefix.cache.kv_groups import GroupLayout
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
-from hotprefix.config import CacheConfig
+from hotprefix.cache.window_groups import WindowGroups
+from hotprefix.config import CacheConfig, SchedulerConfig
 from hotprefix.simulate.min_policy import MinPolicy, next_uses
 from hotprefix.simulate.pool import pool_blocks, sim_pool
 from hotprefix.simulate.tier import TIER_NAME, StoreTier
@@ -136,7 +138,8 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
            block_size: int = CacheConfig.block_size, admission_tail_tokens: int | None = None,
            max_pinned_fraction: float = 0.5, keep_per_request: bool = False,
            keys: Sequence[Sequence[BlockKey]] | None = None,
-           kv_store_capacity_tokens: int | None = None) -> SimResult:
+           kv_store_capacity_tokens: int | None = None,
+           layout: GroupLayout | None = None) -> SimResult:
     """Replay ``reqs`` one at a time through a real ``KVCacheManager`` of ``capacity_tokens``.
 
     Every request carries its tokens (synthetic for traces of ids); the manager hashes them, or
@@ -147,6 +150,10 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
         keys: precomputed ``request_keys`` (needed by ``min``, computed if omitted; saves hashing).
         kv_store_capacity_tokens: a simulated store tier of this many tokens below the pool
             (``tier.StoreTier``): written through, serves the pool's misses it holds.
+        layout: a hybrid pool's KV groups (``kv_groups.parse_layer_mix``): the same bytes as
+            ``capacity_tokens`` of whole-model blocks, in pages of the groups' layers, with
+            the engine's window groups (``window_groups``); each request runs in chunks of
+            ``SchedulerConfig.max_num_batched_tokens`` so its window groups release as it goes.
     Returns:
         the measured ``SimResult`` (``per_request_hits`` filled when ``keep_per_request``).
     """
@@ -161,6 +168,11 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
         nu = next_uses(keys)  # type: ignore[arg-type]
         pol = min_pol = MinPolicy(num_blocks)
     clock = _Clock()
+    hybrid = layout is not None and layout.hybrid
+    if hybrid:
+        if policy == "min":
+            raise ValueError("Belady's min is not defined over a hybrid pool's groups")
+        num_blocks = layout.pages_for_blocks(num_blocks)
     pool = sim_pool(num_blocks, capacity_tokens, block_size, pol, clock, max_pinned_fraction)
     if min_pol is not None:
         min_pol.index = pool.index
@@ -168,6 +180,11 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
     mgr = KVCacheManager(pool, sim_hasher(block_size), True,
                          ledger=ContentLedger(max_entries=1, max_depth=0),
                          admission_tail_tokens=admission_tail_tokens)
+    if hybrid:
+        if kv_store_capacity_tokens:
+            raise ValueError("a store tier holds whole-model blocks: not with a hybrid pool")
+        mgr.windows = WindowGroups(pool, block_size,
+                                   {g: grp.window for g, grp in enumerate(layout.groups) if g})
     store = StoreTier(kv_store_capacity_tokens, block_size) if kv_store_capacity_tokens else None
     res = SimResult(policy, capacity_tokens, block_size, store=store)
     t0 = time.perf_counter()
@@ -184,6 +201,15 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
             min_pol.begin(keys[i], nu[i])  # type: ignore[index]
         hits = mgr.lookup(creq)
         h = len(hits)
+        if hybrid:
+            if len(creq.token_ids) < len(tokens):
+                creq.token_ids.extend(tokens[len(creq.token_ids):])
+            res.truncated_requests += not _run_chunked(mgr, creq, hits, r.num_tokens)
+            mgr.free(creq)
+            res.add_request(r, h, 0)
+            if keep_per_request:
+                res.per_request_hits.append(h)
+            continue
         s = 0
         if store is not None:  # the pool's miss, looked up in the store: its run is loaded
             prompt_keys = mgr.keys(creq)
@@ -211,6 +237,24 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
     res.written_blocks = mgr.stats.written_blocks
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _run_chunked(mgr: KVCacheManager, creq: CacheRequest, hits: list, n_tokens: int) -> bool:
+    """A request's tokens through a hybrid pool chunk by chunk, as the scheduler runs them (its
+    window groups hold only the window as it goes). False when the pool ran out (what was
+    computed stays committed)."""
+    bs = mgr.block_size
+    done = len(hits) * bs
+    chunk = SchedulerConfig.max_num_batched_tokens
+    first = True
+    while done < n_tokens:
+        n = min(chunk, n_tokens - done)
+        if not mgr.allocate(creq, n, done, hits if first else []):
+            return False
+        first = False
+        done += n
+        mgr.commit(creq, done)
+    return True
 
 
 def ceiling(reqs: Sequence[TraceRequest], block_size: int,
