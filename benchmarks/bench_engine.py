@@ -42,7 +42,7 @@ Run (from the repository root):
 
     .venv/bin/python benchmarks/bench_engine.py [--quick] [--threads 2] [--repeats 3] [--skip int8]
         [--dtype bfloat16] [--weights int8] [--llamacpp | --no-llamacpp] [--lengths 512,2048]
-        [--model gemma3-270m | --model FILE.gguf] [--modes default,fp32]
+        [--model gemma3-270m | --model FILE.gguf] [--modes default,fp32] [--batch 0]
 
 With ``--model`` other than the default, only our default configuration runs (``--modes`` picks
 more by label), at 512 and 2,048 tokens, and the static reference rows are left out (they are the
@@ -267,6 +267,8 @@ def parse_args():
     ap.add_argument("--modes", default=None,
                     help="comma-separated MODES labels to run (default: all for the default model, "
                          "'default' alone for another --model)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences of the batch decode (default 16, --quick 4; 0 leaves it out)")
     common.add_model_argument(ap)
     return ap.parse_args()
 
@@ -301,8 +303,9 @@ def main_checks(checks: list, rt: dict | None, main_r: dict, batch: int, quick_n
     checks.append(["decode batch 1", f"<= {TARGET_B1_MS:.0f} ms/token", f"{b1:.1f} ms/token",
                    "PASS" if b1 <= TARGET_B1_MS else "FAIL"])
     bN = main_r[f"decode_b{batch}_tps"]
-    checks.append([f"decode batch {batch}", f">= {TARGET_B16_TPS:.0f} tok/s", f"{bN:.0f} tok/s",
-                   ("PASS" if bN >= TARGET_B16_TPS else "FAIL") + quick_note])
+    if bN is not None:
+        checks.append([f"decode batch {batch}", f">= {TARGET_B16_TPS:.0f} tok/s", f"{bN:.0f} tok/s",
+                       ("PASS" if bN >= TARGET_B16_TPS else "FAIL") + quick_note])
 
 
 def main() -> None:
@@ -319,6 +322,8 @@ def main() -> None:
         lengths = [512, 2048]  # issue 27's lengths
     if args.lengths:
         lengths = [int(x) for x in args.lengths.split(",")]
+    if args.batch is not None:
+        batch = args.batch
     max_batched = max(4096, max(lengths))
     b1_context = 128  # tokens of context before batch-1 decode (ours and llama.cpp's -d)
 
@@ -381,7 +386,7 @@ def main() -> None:
             log(f"  rep {rep} decode b1      {c.name:18s} {r['ms_per_step']:8.1f} ms/token")
         pb = [common.text_tokens(tok, 96 + (32 * i) // batch, seed=seed * 100 + i) for i in range(batch)]
         for c in order:
-            if getattr(c, "batch1_only", False):
+            if getattr(c, "batch1_only", False) or not batch:
                 continue
             r = c.decode(pb, n_out)
             dec16[c.name].append(r)
@@ -411,7 +416,7 @@ def main() -> None:
                 rt["decode_b1_speedup_vs_transformers"] = \
                     res[hf]["decode_b1_ms_per_token"] / res[n]["decode_b1_ms_per_token"]
                 rt[f"decode_b{batch}_vs_transformers"] = \
-                    res[n][f"decode_b{batch}_tps"] / res[hf][f"decode_b{batch}_tps"]
+                    res[n][f"decode_b{batch}_tps"] / res[hf][f"decode_b{batch}_tps"] if batch else None
             ratios[n] = rt
     vs_peer: dict[str, dict] = {}
     if peer is not None:
@@ -425,24 +430,25 @@ def main() -> None:
                 rt["decode_b1_ms_vs_llamacpp"] = res[n]["decode_b1_ms_per_token"] / pr["decode_b1_ms_per_token"]
             vs_peer[n] = rt
     main_r = res[ours]
-    scaling = main_r[f"decode_b{batch}_tps"] / (1000.0 / main_r["decode_b1_ms_per_token"])
+    scaling = (main_r[f"decode_b{batch}_tps"] / (1000.0 / main_r["decode_b1_ms_per_token"])
+               if batch else None)
 
     # ---------------------------------------------------------------- tables
     Ls = [str(L) for L in lengths]
     header = ["contender"] + [f"prefill {L} (tok/s)" for L in Ls] + \
-             ["decode b1 (ms/token)", f"decode b{batch} (tok/s)"]
+             ["decode b1 (ms/token)"] + ([f"decode b{batch} (tok/s)"] if batch else [])
     rows = []
     for n in names:
         r = res[n]
         rows.append([f"**{n}**" if n.startswith("hotprefix") else n]
                     + [r["prefill_tps"][L] for L in Ls]
-                    + [r["decode_b1_ms_per_token"] or "-", r[f"decode_b{batch}_tps"] or "-"])
+                    + [r["decode_b1_ms_per_token"] or "-"] + ([r[f"decode_b{batch}_tps"] or "-"] if batch else []))
     for n, ref in REFERENCE.items():
         if not default_model or (peer is not None and n.startswith("llama.cpp")):
             continue  # measured in this run, or another model's
         rows.append([f"_{n}_"] + [ref["prefill_tps"].get(str(L), "-") if not args.quick else "-"
                                   for L in (512, 2048, 4096)][:len(Ls)]
-                    + [ref["decode_b1_ms"], ref["decode_b16_tps"]])
+                    + [ref["decode_b1_ms"]] + ([ref["decode_b16_tps"]] if batch else []))
     lines = [common.md_table(header, rows), ""]
     if ratios:
         rheader = ["ratio vs transformers (same run)"] + [f"prefill {L}" for L in Ls] + \
@@ -450,7 +456,7 @@ def main() -> None:
         rrows = []
         for n, rt in ratios.items():
             dec = ([f"{rt['decode_b1_speedup_vs_transformers']:.2f}x",
-                    f"{rt[f'decode_b{batch}_vs_transformers']:.2f}x"]
+                    f"{rt[f'decode_b{batch}_vs_transformers']:.2f}x" if batch else "-"]
                    if "decode_b1_speedup_vs_transformers" in rt else ["-", "-"])
             rrows.append([n] + [f"{rt['prefill_vs_transformers'][L]:.2f}x" for L in Ls] + dec)
         lines += [common.md_table(rheader, rrows), ""]
@@ -481,9 +487,12 @@ def main() -> None:
                            f"{x:.2f}x", "-" if target is None else "PASS" if x >= target else "MISS"])
     else:
         checks.append(["vs llama.cpp", "-", "llama.cpp: not built, run "
-                       f"`bash ../shared/tools/llamacpp-peer.sh build`" if peer_bin is None
+                       f"`bash ../shared/tools/llamacpp-peer.sh build`" if peer_bin is None and not
+                       args.no_llamacpp else "llama.cpp: not run (--no-llamacpp)" if args.no_llamacpp
                        else "llama.cpp: not run (a GGUF file is needed)", "-"])
-    if default_model:
+    if not batch:
+        pass  # --batch 0: no batch decode
+    elif default_model:
         checks.append([f"decode batch {batch} over batch 1 (ours, tok/s)", f">= {TARGET_BATCH_SCALING:.0f}x",
                        f"{scaling:.2f}x", ("PASS" if scaling >= TARGET_BATCH_SCALING else "MISS") + quick_note])
     else:
