@@ -71,3 +71,27 @@ def test_cold_equals_warm_past_the_window(gemma_llm):
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens > 512
     assert warm.token_ids == cold.token_ids
     assert cold.outputs[0].logprobs and warm.outputs[0].logprobs == cold.outputs[0].logprobs
+
+
+@pytest.mark.slow  # three prefills of 1,600 tokens through the 270M model: over a minute of CPU
+def test_cold_equals_warm_and_batched_at_1600_tokens(gemma_llm):
+    """Issue 27's length: 1,600 tokens (three windows of 512), the warm run's prefix (1,584 tokens)
+    from the cache, and the cold run batched with another prompt: the same tokens and log
+    probabilities. (tests/test_window_long.py checks the logits bit for bit on a tiny model with a
+    64-token window, in every ``make test``.)"""
+    g = torch.Generator().manual_seed(4)
+    prompt = [2] + torch.randint(1000, 200000, (1599,), generator=g).tolist()
+    other = [2] + torch.randint(1000, 200000, (299,), generator=g).tolist()
+    params = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1)
+    gemma_llm.reset_prefix_cache()
+    cold = gemma_llm.generate([prompt], params)[0]
+    warm = gemma_llm.generate([prompt], params)[0]
+    gemma_llm.reset_prefix_cache()
+    batched = gemma_llm.generate([other, prompt], params)[1]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 1584
+    assert batched.num_cached_tokens == 0
+    assert cold.outputs[0].logprobs
+    for out in (warm, batched):
+        assert out.token_ids == cold.token_ids
+        assert out.outputs[0].logprobs == cold.outputs[0].logprobs
+    assert gemma_llm.engine.cache.pool.num_in_use == 0
