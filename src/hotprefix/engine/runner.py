@@ -290,6 +290,7 @@ class ModelRunner:
                 extra_rows.append(q0 + p - start)
                 extra.append((c.request, p + 1))
         metas = []
+        masks: dict = {}  # the groups' prefill masks are the same tensors
         for g in range(len(self.layout.groups)):
             slots = [tables[c.request.request_id][g][c.start // bs] * bs + c.start % bs for c in decodes]
             decode_tables = [tables[c.request.request_id][g] for c in decodes]
@@ -300,7 +301,7 @@ class ModelRunner:
                 slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
                 nb = math.ceil((start + n) / bs)
                 prefill_seqs.append(PrefillSeq(q0, q0 + n, start + n, torch.tensor(bt[:nb], device=dev)))
-            metas.append(self._batched_metadata(slots, decodes, decode_tables, prefill_seqs))
+            metas.append(self._batched_metadata(slots, decodes, decode_tables, prefill_seqs, masks))
         rows = torch.tensor(logit_rows + extra_rows, dtype=torch.long, device=dev)
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                                     self.kv_caches, self._per_layer(metas), rows)
@@ -308,20 +309,22 @@ class ModelRunner:
         return logits[:n_sampled], owners, logits[n_sampled:], extra
 
     def _batched_metadata(self, slots: list[int], decodes: list[ScheduledChunk],
-                          decode_tables: list[list[int]], prefills: list[PrefillSeq]) -> AttentionMetadata:
+                          decode_tables: list[list[int]], prefills: list[PrefillSeq],
+                          masks: dict | None = None) -> AttentionMetadata:
         """The step's attention metadata, complete: slots, prefill sequences, and for the decodes
         their context lengths and block tables (padded with PAD_BLOCK to the longest)."""
         bs, dev = self.block_size, self.device
         slot_mapping = torch.tensor(slots, device=dev)
+        shared = {} if masks is None else {"masks": masks}
         if not decodes:
-            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
+            return AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills, **shared)
         ctx = [c.start + 1 for c in decodes]
         nblocks = padded_len(max(ctx)) // bs
         table = torch.tensor([bt[:nblocks] + [PAD_BLOCK] * (nblocks - min(len(bt), nblocks)) for bt in decode_tables],
                              dtype=torch.long)
         return AttentionMetadata(
             slot_mapping=slot_mapping, num_decode=len(decodes), prefills=prefills,
-            decode_block_tables=table.to(dev), decode_context_lens=ctx)
+            decode_block_tables=table.to(dev), decode_context_lens=ctx, **shared)
 
     def _run_tiled(self, chunks, block_tables):
         """Deterministic mode: one fixed-shape tile per (sequence, block) piece."""
@@ -339,13 +342,13 @@ class ModelRunner:
                 ids = [0] * bs
                 for q in range(p, tile_end):
                     ids[q % bs] = c.request.token_ids[q]
-                metas = []
+                metas, masks = [], {}
                 for bt in group_bts:
                     slots = [-1] * bs
                     for q in range(p, tile_end):
                         slots[q % bs] = bt[b] * bs + q % bs
                     metas.append(AttentionMetadata(
-                        slot_mapping=torch.tensor(slots, device=dev), has_padding=True,
+                        slot_mapping=torch.tensor(slots, device=dev), has_padding=True, masks=masks,
                         prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(bt[:b + 1], device=dev))]))
                 positions = torch.arange(b * bs, (b + 1) * bs, device=dev)
                 logits = self.model.forward(torch.tensor(ids, device=dev), positions, self.kv_caches,

@@ -82,6 +82,9 @@ class AttentionMetadata:
     _groups: dict[tuple[int, torch.dtype, int], list["DecodeGroup"]] = field(
         default_factory=dict, compare=False, repr=False)
     _rows: dict[int, "RowPlan"] = field(default_factory=dict, compare=False, repr=False)
+    masks: dict = field(default_factory=dict, compare=False, repr=False)
+    """Prefill masks by (first position, rows, keys, window, dtype): they depend on positions only,
+    so a hybrid pool's KV groups (one metadata each, ``engine/runner.py``) share one dict."""
 
     def row_plan(self, num_rows: int) -> "RowPlan":
         """Every row's sequence and position, for a kernel that reads the pool itself
@@ -108,7 +111,8 @@ class AttentionMetadata:
         key = (block_size, dtype, window)
         tiles = self._tiles.get(key)
         if tiles is None:
-            tiles = self._tiles[key] = [t for p in self.prefills for t in _plan_tiles(p, *key)]
+            tiles = self._tiles[key] = [t for p in self.prefills
+                                        for t in _plan_tiles(p, *key, masks=self.masks)]
         return tiles
 
 
@@ -240,7 +244,8 @@ def _plan_decode_groups(meta: AttentionMetadata, bs: int, dtype: torch.dtype,
     return groups
 
 
-def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype, window: int = 0) -> list[PrefillTile]:
+def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype, window: int = 0,
+                masks: dict | None = None) -> list[PrefillTile]:
     """A chunk's calls: its rows cut at multiples of ``KV_TILE`` in position, each call reading
     the keys up to the end of its tile (every row of it has that key count). ``window`` > 0: a
     row at p sees keys ``[p - window + 1, p]`` only (the others masked, the key count the same)."""
@@ -256,12 +261,18 @@ def _plan_tiles(p: PrefillSeq, bs: int, dtype: torch.dtype, window: int = 0) -> 
         n = r1 - r0
         table = _padded_table(p.block_table, keys // bs)
         rows = max(n, min_rows)
-        pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
-        ks = torch.arange(keys, device=dev).unsqueeze(0)
-        mask = ks <= pos.unsqueeze(1)
-        if window:
-            mask &= ks > (pos - window).unsqueeze(1)
-        tiles.append(PrefillTile(r0, r1, rows, table, additive_mask(mask, dtype)))
+        mkey = (first, n, rows, keys, window, dtype, dev)
+        add = masks.get(mkey) if masks is not None else None
+        if add is None:
+            pos = torch.arange(first, first + rows, device=dev).clamp_(max=first + n - 1)
+            ks = torch.arange(keys, device=dev).unsqueeze(0)
+            mask = ks <= pos.unsqueeze(1)
+            if window:
+                mask &= ks > (pos - window).unsqueeze(1)
+            add = additive_mask(mask, dtype)
+            if masks is not None:
+                masks[mkey] = add
+        tiles.append(PrefillTile(r0, r1, rows, table, add))
         r0 = r1
     return tiles
 
