@@ -17,6 +17,11 @@ from hotprefix.model.dtype_probe import MIN_SPEEDUP, choose_cpu_dtype
 SYSTEM = ("You are the help desk of a city library. Books are lent for three weeks and can be renewed "
           "twice online. Fines are ten cents a day. The reading room opens at nine and closes at "
           "eight; on Sundays it opens at noon. Be short and kind. ") * 3
+SHORT_SYSTEM = SYSTEM[:len(SYSTEM) // 3]
+"""The system prompt once (76 tokens with a question: 4 whole blocks), for the modes whose check
+is about their GEMMs and elementwise kernels, not long attention: a cached prefix, a partial block
+and a batch still meet them, at under half the prefill rows (int8 and int4 run torch's row-by-row
+kernels in fp32 here)."""
 QUESTIONS = ["Can I renew a book twice?", "When do you open on Sunday?", "How much is a fine?",
              "Do you lend films?", "Where do I return books?"]
 
@@ -78,13 +83,14 @@ def test_default_mode_decode_computed_blocks_equal_prefill(real_llm):
     assert torch.equal(_last_logits(eng, ids, expect_start=0), warm)
 
 
-def _greedy_cold_warm(llm, questions=QUESTIONS, turns=2):
+def _greedy_cold_warm(llm, questions=QUESTIONS, turns=2, system=SYSTEM):
     tok = llm.tokenizer
-    prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+    prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
     bs = llm.engine.block_size
-    prompts += [prompts[0][:bs * 8], prompts[0][:bs * 8 + 5]]  # exact block multiple, partial block
-    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
+    cut = min(bs * 8, (len(prompts[0]) - 6) // bs * bs)  # bs * 8 for SYSTEM
+    prompts += [prompts[0][:cut], prompts[0][:cut + 5]]  # exact block multiple, partial block
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]
     for turn in range(turns):
         ids = tok.encode_chat(conv)
         prompts.append(ids)
@@ -123,14 +129,14 @@ def test_mixed_mode_greedy_cold_warm_and_without_fp16_weights(real_llm, monkeypa
     if model.dtype == torch.float32:
         pytest.skip("no native bf16 here: mixed is dense fp32")
     assert model.weight_mode == "mixed" and "mixed-w16" in model.numerics
-    _greedy_cold_warm(mixed, QUESTIONS[:2], turns=1)
+    _greedy_cold_warm(mixed, QUESTIONS[:2], turns=1, system=SHORT_SYSTEM)
     monkeypatch.setattr(linear, "fp16_weights_available", lambda: False)
     llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights="mixed")
     model = llm.engine.runner.model
     assert model.weight_mode == "mixed" and "mixed-w32" in model.numerics
     assert llm.engine.namespace not in (mixed.engine.namespace, real_llm.engine.namespace)
     assert not any(isinstance(w, linear.Fp16Weight) for w in model.layers[0].values())
-    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1)
+    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1, system=SHORT_SYSTEM)
 
 
 @pytest.mark.model
@@ -145,7 +151,7 @@ def test_torch_elementwise_path_has_its_own_namespace_and_cold_equals_warm(real_
     assert "/fused/" in fused_tag and "/fused" not in cold_tag
     assert fused_tag.split("/")[:2] == cold_tag.split("/")[:2]  # the same dtype and weights
     assert llm.engine.namespace != real_llm.engine.namespace
-    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1)
+    _greedy_cold_warm(llm, QUESTIONS[:1], turns=1, system=SHORT_SYSTEM)
 
 
 @pytest.mark.model
@@ -166,16 +172,21 @@ def test_torch_attention_with_fused_kernels_cold_equals_warm(real_llm, monkeypat
 
 @pytest.mark.model
 @pytest.mark.parametrize("weights", ["int8", "int4", "dense", "gguf"])
-def test_other_weight_modes_greedy_cold_warm_batched(weights, real_layers_dir):
+def test_other_weight_modes_greedy_cold_warm_batched(weights, request):
     """Each weight mode: greedy tokens warm == batched == cold. int8 and int4 run torch's kernels
     (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; minutes a prompt set on an AVX2
-    CPU) on the real model's first 2 layers: the same shapes and kernels, a fifteenth the work."""
-    model_path = real_layers_dir if weights in ("int8", "int4") else None
+    CPU) on the real model's first 2 layers: the same shapes and kernels, a fifteenth the work.
+    The mode the default already runs (gguf on AVX2) is the default-mode test's, not built twice."""
+    if weights == "gguf":
+        default = request.getfixturevalue("real_llm").engine.runner.model
+        if default.weight_mode == "gguf":
+            pytest.skip("gguf is this CPU's default mode: test_default_mode_greedy_cold_warm_batched")
+    model_path = request.getfixturevalue("real_layers_dir") if weights in ("int8", "int4") else None
     llm = LLM(model=model_path, kv_cache_memory="64MiB", num_threads=2, weights=weights)
     model = llm.engine.runner.model
     assert model.weight_mode == weights
     assert model.fp32_ops <= {"head"} or weights == "gguf"
-    _greedy_cold_warm(llm, QUESTIONS[:2], turns=1)  # quantized prefill is slower: fewer prompts
+    _greedy_cold_warm(llm, QUESTIONS[:2], turns=1, system=SHORT_SYSTEM)  # quantized prefill is slower
 
 
 def test_dtype_probe_falls_back_to_fp32():
