@@ -4,6 +4,7 @@ Llama in a Hugging Face directory (fast engine tests)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -92,6 +93,34 @@ def real_llm_fp32():
     from hotprefix import LLM
 
     return LLM(kv_cache_memory="64MiB", num_threads=2, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_default_reference(tmp_path_factory):
+    """transformers' float32 model of the default GGUF, dequantized by its own GGUF reader (in
+    Python: ~30 s of CPU), read once for the whole run: the first process to need it saves its
+    config and tensors under the run's temporary root (shared by the xdist workers), the others
+    build the model from those (~5 s): the same fp32 tensors, the same logits."""
+    from filelock import FileLock
+    from transformers import AutoModelForCausalLM
+
+    from hotprefix import quality
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common root
+    saved = root / "hf-default-reference.pt"
+    with FileLock(str(saved) + ".lock"):
+        if saved.is_file():
+            obj = torch.load(saved, weights_only=False)
+            model = AutoModelForCausalLM.from_config(obj["config"], torch_dtype=torch.float32)
+            model.load_state_dict(obj["state"])
+            return model.eval()
+        model = quality.load_reference(default_model_path())
+        tmp = saved.with_suffix(".tmp")
+        torch.save({"config": model.config, "state": model.state_dict()}, tmp)
+        tmp.rename(saved)
+        return model
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,11 @@ same GGUF checkpoint: logits within a tight tolerance, identical greedy continua
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hotprefix import SamplingParams
-from hotprefix.model.loader import ModelLoadError, default_model_path, load_model
+from hotprefix.model.loader import ModelLoadError, load_model
 
 pytestmark = pytest.mark.model
 
@@ -23,16 +21,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 torch_dtype=torch.float32)
-    model.eval()
-    return model
+def hf_model(hf_default_reference):
+    """transformers' fp32 model of the same GGUF (read by its own GGUF reader)."""
+    return hf_default_reference
 
 
 def our_logits(llm, ids):

@@ -39,14 +39,12 @@ MODES = [
 
 
 @pytest.fixture(scope="module")
-def reference(default_tokenizer):
+def reference(default_tokenizer, hf_default_reference):
     """(windows, transformers fp32 logits of each window) over the held-back text."""
-    from hotprefix.model.loader import default_model_path
-
     with open(TEXT) as f:
         windows = quality.windows_from_text(default_tokenizer, [f.read()], NUM_POSITIONS,
                                             window=NUM_POSITIONS)
-    model = quality.load_reference(default_model_path())
+    model = hf_default_reference
     refs = [quality.reference_logits(model, w) for w in windows]
     return windows, refs
 
