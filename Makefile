@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 THREADS ?= 2
-# test workers: the suite is CPU-bound (~26 CPU-minutes): 2 workers took 14.4 min on the 2-core AVX2 EPYC, 1 took 21 (partly contended)
+# test workers: the suite is CPU-bound: 2 workers (OpenMP threads passive) took 9.6 min on the 2-core AVX2 EPYC, in a fresh-clone .ci/run
 WORKERS ?= 2
 # OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep at a barrier instead of spinning; with 2 workers x 2 threads on
 # 2 cores the spinning burnt the CPU the other worker needed (one process, 4 real-model generations at load ~17:
