@@ -69,3 +69,21 @@ def all_logits(model: LlamaModel, llm: LLM, ids: list[int]) -> torch.Tensor:
     finally:
         eng.cache.free(req)
         eng.requests.pop(req.request_id, None)
+
+
+def step_last_logits(eng, ids, others=()):
+    """One engine step with ``ids`` (and ``others``, token lists, prefilled in the same step):
+    (the logits of ``ids``' last prompt token, the first position it computed, the step's number
+    of chunks). The requests are aborted after."""
+    reqs = [eng.add_request(list(o), SamplingParams(max_tokens=1)) for o in others]
+    req = eng.add_request(list(ids), SamplingParams(max_tokens=1))
+    sched = eng.scheduler.schedule()
+    mine = [c for c in sched.chunks if c.request is req]
+    assert mine and mine[0].start + mine[0].num_tokens == len(ids), "the prompt must fit one step"
+    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
+    logits, owners = eng.runner.forward_logits(sched.chunks, tables)
+    out = logits[[o.request for o in owners].index(req)].clone()
+    eng.scheduler.update(sched, {})
+    for r in reqs + [req]:
+        eng.abort(r.request_id)
+    return out, mine[0].start, len(sched.chunks)

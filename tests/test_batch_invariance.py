@@ -14,6 +14,8 @@ from hotprefix import LLM, SamplingParams
 from hotprefix.model import llama
 from hotprefix.model.dtype_probe import MIN_SPEEDUP, choose_cpu_dtype
 
+from model_support import step_last_logits
+
 SYSTEM = ("You are the help desk of a city library. Books are lent for three weeks and can be renewed "
           "twice online. Fines are ten cents a day. The reading room opens at nine and closes at "
           "eight; on Sundays it opens at noon. Be short and kind. ") * 3
@@ -28,19 +30,9 @@ QUESTIONS = ["Can I renew a book twice?", "When do you open on Sunday?", "How mu
 
 def _last_logits(eng, ids, expect_start=None, others=()):
     """Logits of the last prompt token, with ``others`` (token lists) prefilled in the same step."""
-    reqs = [eng.add_request(list(o), SamplingParams(max_tokens=1)) for o in others]
-    req = eng.add_request(list(ids), SamplingParams(max_tokens=1))
-    sched = eng.scheduler.schedule()
-    mine = [c for c in sched.chunks if c.request is req]
-    assert mine and mine[0].start + mine[0].num_tokens == len(ids), "prompt must fit one step"
+    out, start, _ = step_last_logits(eng, ids, others)
     if expect_start is not None:
-        assert mine[0].start == expect_start
-    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
-    logits, owners = eng.runner.forward_logits(sched.chunks, tables)
-    out = logits[[o.request for o in owners].index(req)].clone()
-    eng.scheduler.update(sched, {})
-    for r in reqs + [req]:
-        eng.abort(r.request_id)
+        assert start == expect_start
     return out
 
 

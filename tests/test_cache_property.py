@@ -14,6 +14,8 @@ from hotprefix.cache.eviction import POLICIES, FreqCreditPolicy
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 
+from cache_support import assert_pool_consistent
+
 BS = 4
 VOCAB = 3  # tiny vocabulary so prefixes collide often
 
@@ -102,13 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
     def pool_invariants(self):
         if self.manager is None:
             return
-        pool = self.manager.pool
-        pool.check_invariants()
-        held = sum(self.manager.num_blocks_held(rid) for rid in self.live)
-        refs = sum(b.ref_cnt for b in pool.blocks)
-        assert held == refs, f"block tables hold {held} refs, pool counts {refs}"
-        for key, blk in pool.index.items():
-            assert blk.key == key and blk.token_ids is not None and len(blk.token_ids) == BS
+        assert_pool_consistent(self.manager, self.live, BS)
 
 
 TestCacheMachine = CacheMachine.TestCase

@@ -14,6 +14,8 @@ from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.cache.report import MissReason
 from hotprefix.cache.window_groups import WindowGroups, group_key
 
+from cache_support import assert_pool_consistent
+
 BS = 4
 VOCAB = 3
 
@@ -264,14 +266,8 @@ class HybridMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants(self):
-        if self.m is None:
-            return
-        pool = self.m.pool
-        pool.check_invariants()
-        held = sum(self.m.num_blocks_held(rid) for rid in self.live)
-        assert held == sum(b.ref_cnt for b in pool.blocks)
-        for key, blk in pool.index.items():
-            assert blk.key == key and len(blk.token_ids) == BS
+        if self.m is not None:
+            assert_pool_consistent(self.m, self.live, BS)
 
 
 TestHybridMachine = HybridMachine.TestCase

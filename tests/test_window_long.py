@@ -21,7 +21,7 @@ import torch
 from hotprefix import LLM, SamplingParams
 from hotprefix.model.loader import load_model
 
-from model_support import save_random_model
+from model_support import save_random_model, step_last_logits
 
 WINDOW = 64
 GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=32,
@@ -65,19 +65,9 @@ def llm(request, gemma_dir) -> LLM:
 def _last_logits(eng, ids, others=()) -> tuple[torch.Tensor, int]:
     """(logits of the last prompt token, the first position computed), with ``others`` (token
     lists) prefilled in the same step."""
-    reqs = [eng.add_request(list(o), SamplingParams(max_tokens=1)) for o in others]
-    req = eng.add_request(list(ids), SamplingParams(max_tokens=1))
-    sched = eng.scheduler.schedule()
-    mine = [c for c in sched.chunks if c.request is req]
-    assert mine and mine[0].start + mine[0].num_tokens == len(ids), "the prompt must fit one step"
-    assert len(sched.chunks) == len(others) + 1, "the others must share the step"
-    tables = {c.request.request_id: eng.cache.block_table(c.request.request_id) for c in sched.chunks}
-    logits, owners = eng.runner.forward_logits(sched.chunks, tables)
-    out = logits[[o.request for o in owners].index(req)].clone()
-    eng.scheduler.update(sched, {})
-    for r in reqs + [req]:
-        eng.abort(r.request_id)
-    return out, mine[0].start
+    out, start, n_chunks = step_last_logits(eng, ids, others)
+    assert n_chunks == len(others) + 1, "the others must share the step"
+    return out, start
 
 
 def test_the_model_has_the_window(gemma_dir):

@@ -49,6 +49,8 @@ class _WinState:
     hit_points: dict[int, str] = field(default_factory=dict)
     """Block count -> kind: where later requests are expected to resume."""
     num_committed: int = 0
+    released: list[int] = field(default_factory=list)
+    """Per window group, the blocks before this index are released (or were never held)."""
 
 
 class WindowGroups:
@@ -85,10 +87,9 @@ class WindowGroups:
         """The block indices a group of ``window`` must hold to resume at block ``n``."""
         return range(self.first_needed(n * self.block_size, window), n)
 
-    def _kept(self, st: _WinState, i: int, window: int) -> set[str]:
-        """The kinds of the hit points of ``st`` whose windows cover block ``i`` (none: interior)."""
-        return {kind for m, kind in st.hit_points.items()
-                if self.first_needed(m * self.block_size, window) <= i < m}
+    def _kept(self, st: _WinState, i: int, window: int) -> bool:
+        """Whether a hit point of ``st`` has a window covering block ``i`` (else: interior)."""
+        return any(self.first_needed(m * self.block_size, window) <= i < m for m in st.hit_points)
 
     # ------------------------------------------------------------------ lookup
     def resume(self, keys: Sequence[BlockKey], token_ids: Sequence[int], n_full: int) -> int:
@@ -150,17 +151,20 @@ class WindowGroups:
         st = self._reqs.get(request_id)
         if st is None:
             return
-        for t, w in zip(st.tables, self.windows):
-            for i in range(min(self.first_needed(num_computed, w), len(t))):
+        for gi, (t, w) in enumerate(zip(st.tables, self.windows)):
+            lo = min(self.first_needed(num_computed, w), len(t))
+            for i in range(st.released[gi], lo):  # each block released once, not rescanned
                 if t[i] is not None:
                     self._release(st, t[i], i, w)
                     t[i] = None
+            st.released[gi] = max(st.released[gi], lo)
 
     def admit(self, request_id: str, keys: Sequence[BlockKey], resume: int,
               hit_points: dict[int, str]) -> None:
         """A request's first allocation: reference the window hits before ``resume`` (before
         anything is allocated, which could evict them)."""
-        st = self._reqs[request_id] = _WinState([[] for _ in self.groups], dict(hit_points))
+        st = self._reqs[request_id] = _WinState([[] for _ in self.groups], dict(hit_points),
+                                                released=[0] * len(self.groups))
         if resume:
             self._take_hits(st, keys, resume)
 
@@ -268,7 +272,8 @@ class WindowGroups:
                 ct.append(new[gi])
                 pairs.append((t[n_full].block_id, new[gi].block_id))
             tables.append(ct)
-        self._reqs[child_id] = _WinState(tables, dict(st.hit_points), min(st.num_committed, n_full))
+        self._reqs[child_id] = _WinState(tables, dict(st.hit_points), min(st.num_committed, n_full),
+                                         released=[0] * len(self.groups))
         return pairs
 
     # ------------------------------------------------------------------ views
