@@ -275,7 +275,8 @@ class KVCacheManager:
         bs = self.block_size
         points: dict[int, str] = {}
         for end in req.hit_point_tokens:
-            points.setdefault(end // bs, "message_end")
+            if req.retains(end // bs - 1):  # a tenant's message ends keep its own blocks only
+                points.setdefault(end // bs, "message_end")
         for end, _ in req.pin_breakpoints:
             points.setdefault(end // bs, "breakpoint")
         cacheable = cacheable_blocks(req.num_prompt_tokens, bs)

@@ -41,7 +41,9 @@ class CacheRequest:
     blocks are still written."""
     hit_point_tokens: tuple[int, ...] = ()
     """Token offsets where later requests are expected to resume (the ends of the system prompt
-    and of each message): a hybrid pool keeps the sliding-window layers' K/V before them."""
+    and of each message): a hybrid pool keeps the sliding-window layers' K/V before them. With a
+    tenant salt, only ends past the blocks that tenants share count (as for ``retains``). The
+    server marks them on a hybrid pool (``hotprefix.server.message_ends``)."""
     full_hit_blocks: int = 0
     """Set by the manager's lookup: the full groups' run of cached blocks, before a hybrid pool
     shortened it to where every window group also has its window."""

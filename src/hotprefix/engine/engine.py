@@ -160,11 +160,12 @@ class LLMEngine:
                     salt_from_block: int = 0, cache_write: bool = True, priority: int = 0,
                     pin_ttl_s: float = 0.0, arrival_time: float | None = None,
                     pin_breakpoints: Sequence[tuple[int, float]] = (),
-                    expect_reuse: bool = False) -> Request:
+                    expect_reuse: bool = False, hit_point_tokens: Sequence[int] = ()) -> Request:
         """Queue a request. Raises RequestRejected (too long, empty) or ValueError (bad ids).
 
         The cache controls (``cache_write``, ``priority``, ``pin_ttl_s``, ``pin_breakpoints``,
-        ``expect_reuse``) are described on ``hotprefix.cache.request.CacheRequest``.
+        ``expect_reuse``, ``hit_point_tokens``) are described on
+        ``hotprefix.cache.request.CacheRequest``.
         """
         params = params or SamplingParams()
         params.validate()  # again: a field may have been changed since it was made
@@ -189,6 +190,7 @@ class LLMEngine:
                         priority=priority, pin_ttl_s=pin_ttl_s,
                         pin_breakpoints=tuple((int(t), float(s)) for t, s in pin_breakpoints),
                         expect_reuse=expect_reuse, read_cache=params.prompt_logprobs is None,
+                        hit_point_tokens=tuple(int(t) for t in hit_point_tokens),
                         params=params, generator=make_generator(params, i), index=i, group_id=rid)
                 for i in range(params.num_sequences)]
         req = seqs[0]
@@ -226,6 +228,13 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         req.forks = []
         return True
+
+    @property
+    def has_window_groups(self) -> bool:
+        """Whether prefix caching runs on a hybrid pool, whose sliding-window layers keep their
+        K/V only before hit points: only then do message ends given as ``hit_point_tokens``
+        change what stays cached."""
+        return self.cache.enabled and self.cache.windows is not None
 
     @property
     def num_waiting(self) -> int:

@@ -28,6 +28,7 @@ from hotprefix.server import protocol as P
 from hotprefix.server import tools as T
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
+from hotprefix.server.message_ends import message_ends
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import LogprobView, collect, stream_response
 from hotprefix.server.tenants import Tenant
@@ -54,13 +55,19 @@ class CacheHints:
     """The prompt is expected to recur (``prompt_cache_key``): admit its blocks, favour them."""
     breakpoints: tuple[tuple[int, float], ...] = ()
     """``(end token, ttl_s)``: pin the prompt's blocks up to each end token for that long."""
+    message_ends: tuple[int, ...] = ()
+    """Token offsets where the system prompt and earlier turns end (``server/message_ends.py``):
+    hit points of a hybrid pool. The server's own, not the client's; empty on other pools."""
 
 
-def openai_hints(body: P.CompletionRequest | P.ChatCompletionRequest, num_prompt_tokens: int) -> CacheHints:
-    """``prompt_cache_key`` and ``prompt_cache_retention`` as cache hints."""
+def openai_hints(body: P.CompletionRequest | P.ChatCompletionRequest, num_prompt_tokens: int,
+                 message_ends: tuple[int, ...] = ()) -> CacheHints:
+    """``prompt_cache_key`` and ``prompt_cache_retention`` as cache hints, with the chat's
+    ``message_ends``."""
     keep = body.prompt_cache_retention == "24h"
     return CacheHints(expect_reuse=bool(body.prompt_cache_key),
-                      breakpoints=((num_prompt_tokens, P.RETENTION_24H_S),) if keep else ())
+                      breakpoints=((num_prompt_tokens, P.RETENTION_24H_S),) if keep else (),
+                      message_ends=message_ends)
 
 
 def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None,
@@ -80,7 +87,8 @@ def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None
             "pin_ttl_s": min(float(ttl or 0.0), max_ttl),
             "pin_breakpoints": tuple((end, min(t, max_ttl)) for end, t in hints.breakpoints
                                      if min(t, max_ttl) > 0),
-            "expect_reuse": hints.expect_reuse}
+            "expect_reuse": hints.expect_reuse,
+            "hit_point_tokens": hints.message_ends}
 
 
 def sampling(body: P._SamplingFields, max_tokens: int | None,
@@ -126,6 +134,14 @@ async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: 
                       functions: list[T.Function] | None = None) -> list[int]:
     """The conversation's token ids, with ``functions`` (the request's tools) rendered by the
     template when it can, else as the system turn's tool block (``server/tools.py``)."""
+    return (await chat_prompt_and_ends(state, messages, param, functions, ends=False))[0]
+
+
+async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage],
+                               param: str = "messages", functions: list[T.Function] | None = None,
+                               ends: bool = True) -> tuple[list[int], tuple[int, ...]]:
+    """``chat_prompt``'s token ids and, with ``ends``, where its messages end
+    (``message_ends``: empty unless the pool is hybrid)."""
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
     dicts = P.message_dicts(messages)
@@ -141,7 +157,7 @@ async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: 
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
         raise P.APIError(400, "The conversation renders to an empty prompt.", param=param)
-    return ids
+    return ids, (await message_ends(state, dicts, ids, tools) if ends else ())
 
 
 async def text_prompt(state: ServerState, prompt: Any, param: str) -> list[int]:
@@ -186,7 +202,7 @@ def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -
 
 async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest,
                   request: Request, tenant: Tenant, ids: list[int], max_tokens: int | None,
-                  chat: bool, constraint: C.Constraint) -> Response:
+                  chat: bool, constraint: C.Constraint, ends: tuple[int, ...] = ()) -> Response:
     route, field = ("chat", "messages") if chat else ("completions", "prompt")
     params = sampling(body, max_tokens, L.sampling_fields(body))
     if constraint.spec is not None:  # compiled now: a schema error is this request's 400
@@ -195,7 +211,7 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field,
-                          openai_hints(body, len(ids)))
+                          openai_hints(body, len(ids), ends))
     view = logprob_view(state, body, ids, params)
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)
@@ -283,9 +299,9 @@ async def completions(body: P.CompletionRequest, request: Request,
 async def chat_completions(body: P.ChatCompletionRequest, request: Request,
                            tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
     constraint = check_request(state, body)
-    ids = await chat_prompt(state, body.messages, functions=constraint.offered)
+    ids, ends = await chat_prompt_and_ends(state, body.messages, functions=constraint.offered)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # chat: until the model stops or the context is full
         max_tokens = max(1, state.max_model_len - len(ids))
     return await respond(state, body, request, tenant, ids, max_tokens, chat=True,
-                         constraint=constraint)
+                         constraint=constraint, ends=ends)

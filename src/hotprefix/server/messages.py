@@ -36,6 +36,7 @@ from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
 from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
                                        check_model, final_output, finish, submit)
+from hotprefix.server.message_ends import message_ends
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import Tenant
@@ -87,7 +88,8 @@ def with_tools(state: ServerState, prompt: A.Prompt, functions: list[T.Function]
 
 async def prompt_and_hints(state: ServerState, conv: A.Conversation,
                            functions: list[T.Function] = ()) -> tuple[list[int], CacheHints]:
-    """The prompt's token ids and its breakpoints as ``(end token, ttl_s)`` pins.
+    """The prompt's token ids, its breakpoints as ``(end token, ttl_s)`` pins and, on a hybrid
+    pool, where its messages end (``server/message_ends.py``).
 
     A breakpoint's end is where the prompt cut after the marked block stops agreeing with the whole
     prompt (at most the cut's length): the blocks wholly before it are the marked prefix.
@@ -104,13 +106,14 @@ async def prompt_and_hints(state: ServerState, conv: A.Conversation,
             cut_ids = await state.encode(encode_prompt, state.tokenizer, with_tools(state, cut, functions),
                                          tools)
             breakpoints.append((common_prefix_len(ids, cut_ids), ttl))
+        ends = await message_ends(state, prompt.messages, ids, tools) if ids else ()
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
     if not ids:
         raise APIError(400, "The conversation renders to an empty prompt.", param="messages")
     if conv.whole_prompt_ttl_s is not None:
         breakpoints.append((len(ids), conv.whole_prompt_ttl_s))
-    return ids, CacheHints(breakpoints=tuple(breakpoints))
+    return ids, CacheHints(breakpoints=tuple(breakpoints), message_ends=ends)
 
 
 def sampling(body: A.MessagesRequest) -> SamplingParams:

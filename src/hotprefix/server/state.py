@@ -53,6 +53,9 @@ class ServerState:
             self.model_names.add(engine.model_path)
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
+        self.marks_message_ends = engine.has_window_groups
+        """Chat routes mark where messages end as hit points (``server/message_ends.py``): only on
+        a hybrid pool, where they change what stays cached; nothing is tokenized for them else."""
         self.replica: str | None = None
         """This server's replica name in a fleet (``hotprefix.fleet``): set, every cache report
         carries it; None for the single server."""
