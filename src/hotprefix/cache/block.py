@@ -43,6 +43,10 @@ class KVBlock:
     order. A cached window block that is not kept is interior: evicted before anything else."""
     hit_kind: str | None = None
     """The kind of hit point that ends at this window block (``window_groups``), if any."""
+    chain: tuple[BlockKey, BlockKey | None] | None = None
+    """A cached window group's block: (the chain key its group key was made from, the previous
+    block's chain key or None at block 0). KV events name a window block by these, as vLLM names
+    every group's blocks by the one chain hash (plus ``group_idx``)."""
 
 
 @dataclass(frozen=True)

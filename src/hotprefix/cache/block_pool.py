@@ -247,6 +247,7 @@ class BlockPool:
         b.group = 0
         b.kept = False
         b.hit_kind = None
+        b.chain = None
 
     def reset(self) -> tuple[int, int]:
         """Drop every free cached block and the memory of evicted keys (after a reset a miss is

@@ -11,15 +11,21 @@ pages from the one pool. A full group keeps a page for every block of a sequence
 only for the blocks a query can still see, and for the windows before the points where later
 requests will resume (``window_groups``).
 
-Group 0 is always a full group (the one the prefix cache's chains, tiers and events are built on);
+Group 0 is always a full group (the one the prefix cache's chains and tiers are built on);
 a model without window layers, or ``--disable-hybrid-kv-cache-manager``, has one group of every
-layer. Plain arithmetic; imports no torch.
+layer. Also here, written once for the cache (``window_groups``) and the router (``router.index``):
+a window group's block key (``group_key``) and the rule of which blocks a hit needs
+(``first_needed_block``, ``resume_point``). Plain arithmetic; imports no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from hotprefix.cache.hashing import BlockKey
 
 
 @dataclass(frozen=True)
@@ -116,3 +122,42 @@ def parse_layer_mix(text: str, window: int) -> GroupLayout:
     step = total / n_full if n_full else 1
     full = {min(total - 1, int(round((k + 1) * step)) - 1) for k in range(n_full)}
     return plan_groups(total, [i for i in range(total) if i not in full], window)
+
+
+# ---------------------------------------------------------------------- the hit rule
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of a window group's block: the chain key tagged with the group."""
+    return BlockKey(hashlib.sha256(b"hotprefix/kv-group\0" + group.to_bytes(2, "little") + key).digest())
+
+
+def first_needed_block(pos: int, window: int, block_size: int) -> int:
+    """First block index that a query at ``pos`` (or later) reads in a group of ``window`` keys
+    (0: a full group, which reads from block 0)."""
+    return max(0, pos - window + 1) // block_size if window else 0
+
+
+def resume_point(n_full: int, groups: Iterable[tuple[int, int]], block_size: int,
+                 holds: Callable[[int, int], bool]) -> int:
+    """The longest n <= ``n_full`` at which every group holds the blocks a hit at block n needs:
+    ``first_needed_block(n * block_size)`` .. n - 1 (the full groups' run ``0..n_full-1`` is
+    known to be there).
+
+    Args:
+        groups: (group, window) of every group past 0.
+        holds: ``holds(group, i)``: whether that group's block ``i`` is there.
+    """
+    groups = list(groups)
+    n = n_full
+    while n > 0:
+        missing = -1
+        for g, w in groups:
+            for i in range(n - 1, first_needed_block(n * block_size, w, block_size) - 1, -1):
+                if i <= missing:
+                    break
+                if not holds(g, i):
+                    missing = i
+                    break
+        if missing < 0:
+            return n
+        n = missing  # every hit point above ``missing`` needs it
+    return 0

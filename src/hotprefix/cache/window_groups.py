@@ -24,7 +24,6 @@ per group, as the pool's invariants demand. Knows nothing about tensors. Imports
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,14 +31,12 @@ from typing import Sequence
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockKey
+from hotprefix.cache.kv_groups import first_needed_block, group_key, resume_point
+
+__all__ = ["PAD", "WindowGroups", "group_key"]
 
 PAD = -1
 """Block-table entry of a window group where the request holds no block (out of every window)."""
-
-
-def group_key(key: BlockKey, group: int) -> BlockKey:
-    """The key of a window group's block: the chain key tagged with the group."""
-    return BlockKey(hashlib.sha256(b"hotprefix/kv-group\0" + group.to_bytes(2, "little") + key).digest())
 
 
 @dataclass
@@ -80,8 +77,7 @@ class WindowGroups:
     def first_needed(self, pos: int, window: int | None = None) -> int:
         """First block index that a query at ``pos`` (or later) reads, in a group of ``window``
         (default: the widest window; 0: a full group, which reads from block 0)."""
-        w = self.window if window is None else window
-        return max(0, pos - w + 1) // self.block_size if w else 0
+        return first_needed_block(pos, self.window if window is None else window, self.block_size)
 
     def window_blocks(self, n: int, window: int | None = None) -> range:
         """The block indices a group of ``window`` must hold to resume at block ``n``."""
@@ -93,22 +89,13 @@ class WindowGroups:
 
     # ------------------------------------------------------------------ lookup
     def resume(self, keys: Sequence[BlockKey], token_ids: Sequence[int], n_full: int) -> int:
-        """The longest n <= ``n_full`` at which every window group holds the window's blocks."""
+        """The longest n <= ``n_full`` at which every window group holds the window's blocks
+        (``kv_groups.resume_point``: the rule the router scores a hybrid replica by)."""
         bs = self.block_size
-        n = n_full
-        while n > 0:
-            missing = -1
-            for g, w in zip(self.groups, self.windows):
-                for i in reversed(self.window_blocks(n, w)):
-                    if i <= missing:
-                        break
-                    if self.pool.lookup(group_key(keys[i], g), token_ids[i * bs:(i + 1) * bs]) is None:
-                        missing = i
-                        break
-            if missing < 0:
-                return n
-            n = missing  # every hit point above ``missing`` needs it
-        return 0
+        lookup = self.pool.lookup
+        return resume_point(
+            n_full, zip(self.groups, self.windows), bs,
+            lambda g, i: lookup(group_key(keys[i], g), token_ids[i * bs:(i + 1) * bs]) is not None)
 
     def window_hits(self, keys: Sequence[BlockKey], n: int) -> list[list[KVBlock]]:
         """Per group, its cached blocks of the window before block ``n``."""
@@ -221,6 +208,7 @@ class WindowGroups:
                 if key in self.pool.index:
                     continue  # computed twice: the cached copy stays, this one is freed empty
                 b.group = g
+                b.chain = (keys[i], keys[i - 1] if i else None)
                 info = AdmitInfo(depth=i, parent=group_key(keys[i - 1], g) if i else None,
                                  salt=salt_of(i))
                 self.pool.cache_block(b, key, toks, info)

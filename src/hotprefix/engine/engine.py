@@ -126,13 +126,14 @@ class LLMEngine:
         self.cache = KVCacheManager(pool, hasher, cc.enable_prefix_caching, cc.stats_window,
                                     ContentLedger(state), cc.admission_tail_tokens)
         layout = self.runner.layout
-        if layout.hybrid:
-            self.cache.windows = WindowGroups(
-                pool, cc.block_size, {i: g.window for i, g in enumerate(layout.groups) if i})
+        windows = {i: g.window for i, g in enumerate(layout.groups) if i} if layout.hybrid else None
+        if windows:
+            self.cache.windows = WindowGroups(pool, cc.block_size, windows)
         self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
         self.cache.tiers = open_tiers(cc, self.runner.kv_caches)
         tier_names = self.cache.tiers.tiers.names if self.cache.tiers is not None else []
-        self.kv_events = open_kv_events(cc, pool, [n.rstrip("0123456789") for n in tier_names])
+        self.kv_events = open_kv_events(cc, pool, [n.rstrip("0123456789") for n in tier_names],
+                                        windows)
         """The KV events publisher (``--kv-events``), or None."""
         arch_len = self.runner.arch.max_position
         self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)

@@ -10,7 +10,7 @@ events are configured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from hotprefix.config import CacheConfig, ConfigError
 
@@ -19,13 +19,15 @@ if TYPE_CHECKING:
     from hotprefix.events.publisher import ZmqEventPublisher
 
 
-def open_kv_events(cfg: CacheConfig, pool: "BlockPool",
-                   tier_kinds: Sequence[str] = ()) -> "ZmqEventPublisher | None":
+def open_kv_events(cfg: CacheConfig, pool: "BlockPool", tier_kinds: Sequence[str] = (),
+                   windows: Mapping[int, int] | None = None) -> "ZmqEventPublisher | None":
     """The publisher of ``pool``'s events on ``cfg.kv_events`` (None when not configured).
 
     Args:
         tier_kinds: kinds of the KV tiers below the pool (``host``, ``disk``, ``redis``), whose
             media evicted blocks are reported in.
+        windows: a hybrid pool's groups past 0 -> their windows (``WindowGroups``' argument):
+            their blocks are announced too, every event with its group.
     Raises:
         ConfigError: a bad or unusable address (in use, no replay address derivable).
     """
@@ -42,7 +44,7 @@ def open_kv_events(cfg: CacheConfig, pool: "BlockPool",
     except ValueError as e:
         raise ConfigError(f"kv_events: {e}") from None
     media = [TIER_MEDIA[k] for k in tier_kinds if k in TIER_MEDIA]
-    recorder = PoolEventRecorder(pool, media, cfg.kv_events_format)
+    recorder = PoolEventRecorder(pool, media, cfg.kv_events_format, windows)
     try:
         return ZmqEventPublisher(recorder, cfg.kv_events, replay, cfg.kv_events_topic)
     except zmq.ZMQError as e:

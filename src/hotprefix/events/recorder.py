@@ -14,6 +14,14 @@ thread, the publisher drains from its own), and ``drain`` turns the records into
     pool (those in use survive a reset), so a subscriber's view stays exact. A subscriber forgets
     tier entries at a reset; a block it later reads back into the pool is reported again.
 
+A hybrid pool's window groups (``cache.window_groups``) are announced too, when the recorder is
+given their windows: every event then carries its group (``group_idx``; a ``BlockStored`` also
+the group's kind and window), window blocks are named by their chain hash as vLLM names them
+(``KVBlock.chain``; not the group-tagged key the pool files them under), consecutive stores or
+removals of several groups become one event per group (and per chain), and only group 0's
+evicted blocks are reported in the tiers' media (the tiers hold group 0's blocks). Without the
+windows (a pool of one group) events carry no group fields and window blocks are not announced.
+
 Tier media are hints: a tier's own evictions (its byte budget, a Redis TTL) and writes dropped by
 a full queue are not reported. The recorder also emits ``AllBlocksCleared`` first, when it starts.
 
@@ -24,11 +32,11 @@ from __future__ import annotations
 
 import threading
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from hotprefix.cache.block import KVBlock
 from hotprefix.cache.block_pool import BlockPool
-from hotprefix.events.schema import MEDIUM_POOL, EventTypes, event_types
+from hotprefix.events.schema import KIND_FULL, KIND_WINDOW, MEDIUM_POOL, EventTypes, event_types
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 
@@ -40,13 +48,22 @@ class PoolEventRecorder:
         pool: the pool to listen to (the recorder adds itself to ``pool.listeners``).
         tier_media: media of the KV tiers below the pool (``schema.TIER_MEDIA``), fastest first.
         fmt: the events' encoding (``array`` or ``map``): which struct classes ``drain`` builds.
+        windows: a hybrid pool's groups past 0 -> their windows in keys (0: a full group), as
+            ``WindowGroups`` takes them; None (one group): no group fields, no window blocks.
     """
 
-    def __init__(self, pool: BlockPool, tier_media: Sequence[str] = (), fmt: str = "array"):
+    def __init__(self, pool: BlockPool, tier_media: Sequence[str] = (), fmt: str = "array",
+                 windows: Mapping[int, int] | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.types: EventTypes = event_types(fmt)
         self.tier_media = list(dict.fromkeys(tier_media))
+        self.specs: dict[int, tuple[str, int | None]] | None = None
+        """Group -> (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``); None: one group."""
+        if windows:
+            self.specs = {0: (KIND_FULL, None)}
+            self.specs.update({g: (KIND_WINDOW, w) if w else (KIND_FULL, None)
+                               for g, w in windows.items()})
         self._lock = threading.Lock()
         self._records: list[tuple[Any, ...]] = [(_CLEARED,)]
         self.num_records = 0
@@ -54,28 +71,36 @@ class PoolEventRecorder:
         pool.listeners.append(self)
 
     # ------------------------------------------------------------------ pool callbacks
+    def _record(self, kind: int, b: KVBlock) -> tuple[Any, ...]:
+        """(kind, hash, parent hash, tokens, group) of a cached block."""
+        if b.group and b.chain is not None:
+            key, parent = b.chain  # the chain hash, as vLLM names every group's blocks
+        else:
+            key, parent = b.key, b.parent
+        return (kind, key, None if b.depth == 0 else parent, b.token_ids, b.group)
+
     def on_stored(self, block: KVBlock) -> None:
-        """A block was cached (its key, parent and tokens are set). A hybrid pool's window-group
-        blocks are not announced: a router reads the full group's chain (``kv_groups``)."""
-        if block.group:
+        """A block was cached (its key, parent and tokens are set). A window group's block is
+        announced only when the recorder knows the groups (``windows``)."""
+        if block.group and self.specs is None:
             return
-        rec = (_STORED, block.key, None if block.depth == 0 else block.parent, block.token_ids)
+        rec = self._record(_STORED, block)
         with self._lock:
             self._records.append(rec)
 
     def on_removed(self, block: KVBlock) -> None:
         """A cached block is about to lose its key (it still carries key, parent and tokens)."""
-        if block.group:
+        if block.group and self.specs is None:
             return
-        rec = (_REMOVED, block.key, None if block.depth == 0 else block.parent, block.token_ids)
+        rec = self._record(_REMOVED, block)
         with self._lock:
             self._records.append(rec)
 
     def on_cleared(self) -> None:
         """The pool was reset: what is still cached is re-announced after the clear."""
-        kept = sorted((b for b in self.pool.index.values() if not b.group),
-                      key=lambda b: b.depth)  # parents first
-        recs = [(_STORED, b.key, None if b.depth == 0 else b.parent, b.token_ids) for b in kept]
+        kept = sorted((b for b in self.pool.index.values() if not b.group or self.specs is not None),
+                      key=lambda b: (b.group, b.depth))  # parents first
+        recs = [self._record(_STORED, b) for b in kept]
         with self._lock:
             self._records.append((_CLEARED,))
             self._records.extend(recs)
@@ -106,24 +131,47 @@ class PoolEventRecorder:
             run = recs[i:j]
             if kind == _CLEARED:
                 out.append(t.AllBlocksCleared())
-            elif kind == _STORED:
-                out.extend(self._chains(run, MEDIUM_POOL))
-            else:
-                out.append(t.BlockRemoved([r[1] for r in run], MEDIUM_POOL))
-                for medium in self.tier_media:
-                    out.extend(self._chains(run, medium))
+                i = j
+                continue
+            for group, part in _by_group(recs[i:j]):
+                if kind == _STORED:
+                    out.extend(self._chains(part, MEDIUM_POOL, group))
+                    continue
+                hashes = [r[1] for r in part]
+                if self.specs is None:
+                    out.append(t.RemovedOneGroup(hashes, MEDIUM_POOL))
+                else:
+                    out.append(t.BlockRemoved(hashes, MEDIUM_POOL, group))
+                if not group:  # the tiers hold group 0's blocks (write-through)
+                    for medium in self.tier_media:
+                        out.extend(self._chains(part, medium, group))
             i = j
         return out
 
-    def _chains(self, run: list[tuple[Any, ...]], medium: str) -> list[Any]:
-        """``BlockStored`` events for records ``run``: one per maximal chain of consecutive blocks."""
+    def _chains(self, run: list[tuple[Any, ...]], medium: str, group: int) -> list[Any]:
+        """``BlockStored`` events for records ``run`` (all of ``group``): one per maximal chain of
+        consecutive blocks."""
         out = []
         start = 0
         for k in range(1, len(run) + 1):
             if k == len(run) or run[k][2] != run[k - 1][1]:
                 part = run[start:k]
-                out.append(self.types.BlockStored(
-                    [r[1] for r in part], part[0][2], list(chain.from_iterable(r[3] for r in part)),
-                    self.block_size, None, medium, None))
+                fields = ([r[1] for r in part], part[0][2],
+                          list(chain.from_iterable(r[3] for r in part)), self.block_size, None,
+                          medium, None)
+                if self.specs is None:
+                    out.append(self.types.StoredOneGroup(*fields))
+                else:
+                    out.append(self.types.BlockStored(*fields, None, group,
+                                                      *self.specs.get(group, (None, None))))
                 start = k
         return out
+
+
+def _by_group(run: list[tuple[Any, ...]]) -> list[tuple[int, list[tuple[Any, ...]]]]:
+    """``run``'s records split by group, each in its order, groups in order of first record (a
+    window group's blocks are cached block by block between the other groups')."""
+    parts: dict[int, list[tuple[Any, ...]]] = {}
+    for r in run:
+        parts.setdefault(r[4], []).append(r)
+    return list(parts.items())

@@ -17,6 +17,14 @@ hashes with sha256): a router that computes keys as hotprefix does (``hotprefix.
 them byte for byte. ``parent_block_hash`` is None for a chain's first block (the namespace is
 not a block).
 
+A hybrid pool (``cache.kv_groups``: sliding-window layers in groups of their own) announces every
+group's blocks, as vLLM's hybrid KV cache manager does: each event carries ``group_idx`` (and a
+``BlockStored`` the group's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``), and a
+block is named by its chain hash in every group (the hash of group 0's block at that position);
+the trailing optional fields vLLM added for this, in its order (``extra_keys``, which hotprefix
+leaves None, comes first). A pool of one group leaves them all None: its messages are those of
+a vLLM before them, byte for byte (``omit_defaults``).
+
 ``medium`` names where the blocks are: ``GPU`` for the engine's KV pool (vLLM's name for its pool,
 whatever the device), ``CPU`` / ``DISK`` / ``REDIS`` for the KV tiers below it (``TIER_MEDIA``).
 Imports no torch.
@@ -38,6 +46,10 @@ TIER_MEDIA = {"host": "CPU", "disk": "DISK", "redis": "REDIS"}
 SHARED_MEDIA = frozenset({"REDIS"})
 """Media shared by every replica that names the same store (a router may load them anywhere)."""
 FORMATS = ("array", "map")
+KIND_FULL = "full_attention"
+"""``kv_cache_spec_kind`` of a full group (vLLM's ``KVCacheSpecKind.FULL_ATTENTION``)."""
+KIND_WINDOW = "sliding_window"
+"""``kv_cache_spec_kind`` of a sliding-window group (vLLM's ``KVCacheSpecKind.SLIDING_WINDOW``)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,13 @@ class EventTypes:
     BlockRemoved: Any
     AllBlocksCleared: Any
     format: str
+    StoredOneGroup: Any = None
+    """``BlockStored`` without vLLM's group fields, what a pool of one group sends: an
+    ``array_like`` struct encodes every field, defaults too, so the array format needs the short
+    shape to stay byte for byte what it was (same tag; ``BlockStored`` decodes it). The map
+    format omits defaults: there it is ``BlockStored``."""
+    RemovedOneGroup: Any = None
+    """``BlockRemoved`` without ``group_idx``, likewise."""
 
 
 def _event_types(array_like: bool) -> EventTypes:
@@ -71,10 +90,19 @@ def _event_types(array_like: bool) -> EventTypes:
         lora_id: int | None
         medium: str | None
         lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        """vLLM's extra keys of each block (hotprefix sends none: its keys carry them)."""
+        group_idx: int | None = None
+        """The blocks' KV group (``kv_groups``); None from a pool of one group."""
+        kv_cache_spec_kind: str | None = None
+        """The group's kind in vLLM's words (``KIND_FULL``, ``KIND_WINDOW``); None with one group."""
+        kv_cache_spec_sliding_window: int | None = None
+        """A window group's window in keys; None for a full group."""
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[BlockHash]
         medium: str | None
+        group_idx: int | None = None
 
     class AllBlocksCleared(KVCacheEvent):
         pass
@@ -82,8 +110,28 @@ def _event_types(array_like: bool) -> EventTypes:
     class KVEventBatch(EventBatch):
         events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 
+    stored, removed = (_one_group_types(KVCacheEvent) if array_like else (BlockStored, BlockRemoved))
     return EventTypes(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared,
-                      "array" if array_like else "map")
+                      "array" if array_like else "map", stored, removed)
+
+
+def _one_group_types(base: Any) -> tuple[Any, Any]:
+    """``BlockStored`` and ``BlockRemoved`` as vLLM sent them before its group fields."""
+
+    class BlockStored(base):
+        block_hashes: list[BlockHash]
+        parent_block_hash: BlockHash | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class BlockRemoved(base):
+        block_hashes: list[BlockHash]
+        medium: str | None
+
+    return BlockStored, BlockRemoved
 
 
 ARRAY = _event_types(array_like=True)

@@ -148,7 +148,7 @@ class Router:
         if name in self.loads:
             self.replicas.remove(name)
             del self.loads[name]
-            self.index.forget(name)
+            self.index.forget(name, groups=True)
             self.memory.discard_if(lambda key, _: key[1] == name)
             self.affinity.discard_if(lambda _, r: r == name)
 
