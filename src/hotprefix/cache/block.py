@@ -43,6 +43,9 @@ class KVBlock:
     order. A cached window block that is not kept is interior: evicted before anything else."""
     hit_kind: str | None = None
     """The kind of hit point that ends at this window block (``window_groups``), if any."""
+    dead: bool = False
+    """A hybrid pool's cached block that no hit can use any more (its hit points lost a block
+    they need: ``window_keep``): evicted with the interior window blocks, before anything else."""
     chain: tuple[BlockKey, BlockKey | None] | None = None
     """A cached window group's block: (the chain key its group key was made from, the previous
     block's chain key or None at block 0). KV events name a window block by these, as vLLM names

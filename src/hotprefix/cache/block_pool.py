@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.eviction import EvictionPolicy, make_policy
@@ -72,6 +72,9 @@ class BlockPool:
         self.num_evictions = 0
         self.eviction_times: deque[float] = deque(maxlen=4096)
         self.num_in_use = 0
+        self.on_policy_evict: Callable[[KVBlock], None] | None = None
+        """Called with each block the policy gives up, before its key is dropped (a hybrid pool's
+        ``window_keep``: the blocks that only served hits through it move to ``low``)."""
         self.listeners: list[PoolListener] = []
         """Told of every block cached, evicted, and of resets (``PoolListener``)."""
 
@@ -112,6 +115,7 @@ class BlockPool:
                 elif self.low.pop(b.block_id, None) is None:
                     self.policy.on_use(b)
                 self.num_in_use += 1
+            b.dead = False  # a hit uses it: alive again
             b.ref_cnt += 1
             b.num_hits += 1
             self.policy.on_hit(b)
@@ -139,6 +143,8 @@ class BlockPool:
                 self.eviction_times.append(now)
             else:
                 b = self.policy.evict()
+                if self.on_policy_evict is not None:
+                    self.on_policy_evict(b)  # still keyed: what it leaves useless goes to ``low``
                 self._uncache(b, evicted=True)
                 self.num_evictions += 1
                 self.eviction_times.append(now)
@@ -162,7 +168,7 @@ class BlockPool:
                 self.empty.append(b.block_id)
             elif b.pinned_until > now:
                 self.pinned[b.block_id] = b
-            elif b.group and not b.kept:
+            elif b.dead or (b.group and not b.kept):
                 self.low[b.block_id] = b
             else:
                 self.policy.on_free(b)
@@ -193,6 +199,28 @@ class BlockPool:
             listener.on_stored(block)
         return True
 
+    def demote(self, b: KVBlock) -> None:
+        """No hit can use cached block ``b`` any more: evict it before anything else (``low``). A
+        block in use is marked and goes there when freed; a pinned one keeps its pin."""
+        if b.key is None:
+            return
+        b.dead, b.kept = True, False
+        if b.ref_cnt or b.block_id in self.pinned or b.block_id in self.low:
+            return
+        self.policy.on_removed(b)
+        self.low[b.block_id] = b
+
+    def revive(self, b: KVBlock, kept: bool = True) -> None:
+        """Cached block ``b`` serves hits again (a request recomputed it, or keeps a window that
+        it is part of): back in the policy's order."""
+        if b.key is None:
+            return
+        b.dead = False
+        if b.group:
+            b.kept = b.kept or kept
+        if b.ref_cnt == 0 and (not b.group or b.kept) and self.low.pop(b.block_id, None) is not None:
+            self.policy.on_free(b)
+
     def pin(self, block: KVBlock, until: float) -> bool:
         """Keep a cached block from eviction until ``until`` (monotonic). Refused (False) when pins
         would exceed their share of the pool."""
@@ -217,7 +245,10 @@ class BlockPool:
             b.pinned_until = 0.0
             self.num_pinned_blocks -= 1
             if self.pinned.pop(b.block_id, None) is not None:
-                self.policy.on_free(b)
+                if b.dead:
+                    self.low[b.block_id] = b
+                else:
+                    self.policy.on_free(b)
 
     def _uncache(self, b: KVBlock, evicted: bool) -> None:
         assert b.key is not None
@@ -247,6 +278,7 @@ class BlockPool:
         b.group = 0
         b.kept = False
         b.hit_kind = None
+        b.dead = False
         b.chain = None
 
     def reset(self) -> tuple[int, int]:
@@ -287,8 +319,8 @@ class BlockPool:
         assert evictable == len(self.policy) + len(self.pinned) + len(self.low), \
             f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)} + low {len(self.low)}"
         for b in self.low.values():
-            assert b.ref_cnt == 0 and b.key is not None and b.group and not b.kept, \
-                f"block {b.block_id} in the interior queue but not a free interior window block"
+            assert b.ref_cnt == 0 and b.key is not None and (b.dead or (b.group and not b.kept)), \
+                f"block {b.block_id} in the interior queue but not a free interior or dead block"
         assert len(self.index) == sum(1 for b in self.blocks if b.key is not None)
         pins = sum(1 for b in self.blocks if b.pinned_until)
         assert pins == self.num_pinned_blocks == len(self._pin_expiry), \

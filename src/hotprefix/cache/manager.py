@@ -242,8 +242,9 @@ class KVCacheManager:
                 del self.pending[key]
             if blk.key is not None or st.write_stopped or not req.cache_write:
                 continue
-            if key in self.pool.index:
-                continue  # computed twice (e.g. both requests started together): keep one copy
+            if key in self.pool.index:  # computed twice (both requests started together, or
+                self.pool.revive(self.pool.index[key])  # a hybrid resume): keep one copy, alive
+                continue
             if tail_from is not None and i >= tail_from:
                 st.write_stopped = True  # the tail of a long prompt whose head is new: not written
                 continue
@@ -333,9 +334,11 @@ class KVCacheManager:
         for key in st.pending:
             if self.pending.get(key) == req.request_id:
                 del self.pending[key]
-        if self.windows is not None:
-            self.windows.free(req.request_id)
+        # full blocks first: the window blocks they make reachable are freed after them, so an
+        # order by free time never takes a window before the full chain it ends
         self.pool.free(st.blocks)
+        if self.windows is not None:
+            self.windows.free(req.request_id, self.keys(req))
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> list[tuple[int, int]] | None:
         """Let ``child``, another sequence of ``parent``'s prompt, start from ``parent``'s K/V of

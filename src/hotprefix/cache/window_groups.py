@@ -32,6 +32,7 @@ from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockKey
 from hotprefix.cache.kv_groups import first_needed_block, group_key, resume_point
+from hotprefix.cache.window_keep import PROTECTED_KINDS, WindowKeeper
 
 __all__ = ["PAD", "WindowGroups", "group_key"]
 
@@ -48,6 +49,9 @@ class _WinState:
     num_committed: int = 0
     released: list[int] = field(default_factory=list)
     """Per window group, the blocks before this index are released (or were never held)."""
+    dups: dict[tuple[int, int], KVBlock] = field(default_factory=dict)
+    """(group, block index) -> the cached copy of a block this request computed again: its
+    window status follows this request's hit points at release."""
 
 
 class WindowGroups:
@@ -68,6 +72,8 @@ class WindowGroups:
         self.windows = [windows[g] for g in self.groups]
         self.window = max(self.windows)
         self._reqs: dict[str, _WinState] = {}
+        self.keeper = WindowKeeper(self)
+        """Evicts a hit point's parts together (``window_keep``)."""
         self.hits_by_kind: Counter[str] = Counter()
         """Resumed hits by the kind of hit point whose window served them."""
         self.resumed_earlier = 0
@@ -142,7 +148,7 @@ class WindowGroups:
             lo = min(self.first_needed(num_computed, w), len(t))
             for i in range(st.released[gi], lo):  # each block released once, not rescanned
                 if t[i] is not None:
-                    self._release(st, t[i], i, w)
+                    self._release(st, t[i], i, gi)
                     t[i] = None
             st.released[gi] = max(st.released[gi], lo)
 
@@ -186,6 +192,7 @@ class WindowGroups:
             for i, b in enumerate(blocks, lo):
                 t[i] = b
         st.num_committed = resume
+        self.keeper.supersede(keys, resume)
 
     # ------------------------------------------------------------------ caching
     def commit(self, request_id: str, keys: Sequence[BlockKey], token_ids: Sequence[int],
@@ -205,8 +212,9 @@ class WindowGroups:
                 if b is None or b.key is not None:
                     continue
                 key = group_key(keys[i], g)
-                if key in self.pool.index:
-                    continue  # computed twice: the cached copy stays, this one is freed empty
+                if key in self.pool.index:  # computed twice: the cached copy stays, this one
+                    st.dups[(g, i)] = self.pool.index[key]  # is freed empty (``_release``)
+                    continue
                 b.group = g
                 b.chain = (keys[i], keys[i - 1] if i else None)
                 info = AdmitInfo(depth=i, parent=group_key(keys[i - 1], g) if i else None,
@@ -220,25 +228,36 @@ class WindowGroups:
             st.hit_points.setdefault(n, kind)
 
     # ------------------------------------------------------------------ release
-    def _release(self, st: _WinState, b: KVBlock, i: int, window: int) -> None:
-        if b.key is not None:
-            if not window or self._kept(st, i, window):
-                b.kept = True
-            if i + 1 in st.hit_points and b.hit_kind is None:
-                b.hit_kind = st.hit_points[i + 1]
+    def _release(self, st: _WinState, b: KVBlock, i: int, gi: int) -> None:
+        window = self.windows[gi]
+        cached = b if b.key is not None else st.dups.pop((self.groups[gi], i), None)
+        if cached is not None and cached.key is not None:
+            kept = not window or self._kept(st, i, window)
+            kind = st.hit_points.get(i + 1)
+            if kind is not None and (cached.hit_kind is None or kind in PROTECTED_KINDS):
+                cached.hit_kind = kind
+            if cached is b:
+                b.kept = b.kept or kept
+            elif kept:  # the copy this request computed again stands for it in its windows
+                self.pool.revive(cached)
         self.pool.free([b])
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, keys: Sequence[BlockKey] | None = None) -> None:
         """Release every window block of the request; the sequence's end is a hit point."""
         st = self._reqs.pop(request_id, None)
         if st is None:
             return
-        if st.num_committed:
-            st.hit_points.setdefault(st.num_committed, "sequence_end")
-        for t, w in zip(st.tables, self.windows):
+        end = st.num_committed
+        if end:
+            st.hit_points.setdefault(end, "sequence_end")
+        for gi, t in enumerate(st.tables):
             for i in range(len(t) - 1, -1, -1):
                 if t[i] is not None:
-                    self._release(st, t[i], i, w)
+                    self._release(st, t[i], i, gi)
+        if end and keys is not None:
+            # the next turn resumes at the sequence's end: the windows below it, of this prompt's
+            # end, where it resumed and earlier turns, are interior now (``window_keep``)
+            self.keeper.supersede(keys, end)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """The child holds the parent's window blocks of its first ``num_tokens`` tokens (a copy

@@ -1,0 +1,187 @@
+"""Eviction that keeps a hybrid pool's hit points whole (``cache/window_keep.py``): superseded turn
+ends leave first, a full block's eviction takes what only it made reachable, and a pool that holds
+every conversation's last window keeps every turn's hit. The real cache code, no model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hotprefix.cache.kv_groups import group_key
+from hotprefix.cache.manager import KVCacheManager
+
+from test_window_groups import BS, evict_interior, hybrid, run
+
+WINDOW = 9  # keys: a hit at block n needs blocks first_needed(4n) .. n-1 = 2 or 3 blocks per group
+
+
+def window_state(m: KVCacheManager, keys, n: int) -> list[str]:
+    """Per window group, one letter per block index < n: K kept, i interior/dead (in ``low``),
+    . not cached."""
+    out = []
+    for g in m.windows.groups:
+        row = ""
+        for i in range(n):
+            b = m.pool.index.get(group_key(keys[i], g))
+            row += "." if b is None else ("i" if b.block_id in m.pool.low else "K")
+        out.append(row)
+    return out
+
+
+def chat(m: KVCacheManager, sessions: int, turns: int, system: int = 40, user: int = 8,
+         reply: int = 6, seed: int = 0) -> tuple[int, int, int]:
+    """Round-robin chat sessions, each with its own system prompt. Returns (cached tokens,
+    prompt tokens, turns with nothing cached) over turns after the first."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(1, 1000) for _ in range(n)]  # noqa: E731
+    convo = [words(system) for _ in range(sessions)]
+    cached = prompt = refills = 0
+    for turn in range(turns):
+        for s in range(sessions):
+            convo[s] += words(user)
+            r = run(m, f"s{s}t{turn}", convo[s], decode=reply)
+            convo[s] = list(r.token_ids)  # the reply is part of the next turn's prompt
+            if turn:
+                cached += r.cache_report.cached_tokens
+                prompt += r.num_prompt_tokens
+                refills += r.cache_report.cached_tokens == 0
+    assert m.pool.num_in_use == 0
+    return cached, prompt, refills
+
+
+def test_a_later_turn_supersedes_the_earlier_turns_windows():
+    m = hybrid(2000, window=WINDOW, groups=2)
+    tokens = [1 + i % 7 for i in range(40)]
+    for turn in range(4):
+        tokens = tokens + [2 + turn] * 8
+        r = run(m, f"t{turn}", tokens, decode=6)
+        tokens = list(r.token_ids)
+        if turn:
+            assert r.cache_report.cached_tokens // BS == prev_end  # resumed at the last turn's end
+        prev_end = len(r.token_ids) // BS  # noqa: F841 (the next turn's check)
+    keys = m.keys(r)
+    end = prev_end
+    lo = m.windows.first_needed(end * BS)
+    for row in window_state(m, keys, end):
+        assert set(row[lo:end]) == {"K"}  # the window the next turn needs, kept
+        assert "K" not in row[:lo]        # every earlier turn's window: interior or gone
+    # the next turn still hits at the sequence's end after every interior block is evicted
+    evict_interior(m)
+    nxt = run(m, "next", tokens + [9] * 8)
+    assert nxt.cache_report.cached_tokens == end * BS
+
+
+def test_superseding_spares_a_window_a_client_asked_for_and_a_branch():
+    m = hybrid(2000, window=WINDOW, groups=2)
+    system = [1, 2, 3] * 10 + [4] * 10           # 40 tokens: 10 blocks
+    a_tokens = system + [5] * 8
+    a = run(m, "a1", a_tokens, decode=6, hit_point_tokens=(len(system),))
+    a = run(m, "a2", list(a.token_ids) + [6] * 8, decode=6)
+    a = run(m, "a3", list(a.token_ids) + [7] * 8, decode=6)
+    keys = m.keys(a)
+    n_sys = len(system) // BS
+    lo_sys = m.windows.first_needed(n_sys * BS)
+    for row in window_state(m, keys, n_sys):
+        assert set(row[lo_sys:n_sys]) == {"K"}  # the message end's window survived two turns
+    evict_interior(m)
+    b = run(m, "b", system + [8] * 8)
+    assert b.cache_report.cached_tokens == len(system)
+
+    # a branch: c and d share a prompt, then go on differently; c's later turn must not demote
+    # the windows before the branch point, which d's turn end needs
+    m = hybrid(2000, window=WINDOW, groups=2)
+    shared = [1 + i % 5 for i in range(48)]
+    d = run(m, "d", shared + [3] * 12, decode=2)
+    c = run(m, "c", shared + [4] * 12, decode=2)
+    c = run(m, "c2", list(c.token_ids) + [5] * 40, decode=2)
+    evict_interior(m)
+    d2 = run(m, "d2", list(d.token_ids) + [6] * 8)
+    assert d2.cache_report.cached_tokens == len(d.token_ids) // BS * BS
+
+
+def test_evicting_a_full_block_takes_what_only_it_made_reachable():
+    m = hybrid(2000, window=WINDOW, groups=2)
+    tokens = [1 + i % 9 for i in range(64)]       # 16 blocks
+    r = run(m, "a", tokens, decode=8)
+    keys = list(m.keys(r))
+    evict_interior(m)
+    n = len(r.token_ids) // BS
+    tail = m.pool.index[keys[n - 1]]
+    # the policy takes the chain's last full block: the only kept window ended at it, so no hit
+    # point is left on the chain and all of it is useless
+    m.pool.policy.on_use(tail)
+    m.pool.on_policy_evict(tail)
+    m.pool._uncache(tail, evicted=True)
+    m.pool.empty.append(tail.block_id)
+    m.pool.check_invariants()
+    for i in range(n - 1):
+        assert m.pool.index[keys[i]].block_id in m.pool.low, i
+    assert m.windows.keeper.num_dead > 0
+    evict_interior(m)
+    assert not m.pool.index  # nothing useless stays behind
+
+    # the same chain with an earlier kept point (a message end at block 8): the blocks up to it
+    # stay, and a later request resumes there
+    m = hybrid(2000, window=WINDOW, groups=2)
+    r = run(m, "a", tokens, decode=8, hit_point_tokens=(32,))
+    evict_interior(m)
+    tail = m.pool.index[keys[n - 1]]
+    m.pool.policy.on_use(tail)
+    m.pool.on_policy_evict(tail)
+    m.pool._uncache(tail, evicted=True)
+    m.pool.empty.append(tail.block_id)
+    evict_interior(m)
+    assert all(keys[i] in m.pool.index for i in range(8))
+    assert not any(keys[i] in m.pool.index for i in range(8, n))
+    again = run(m, "again", tokens + [7] * 4)
+    assert again.cache_report.cached_tokens == 32
+
+
+def test_a_dead_block_recomputed_is_alive_again():
+    m = hybrid(2000, window=WINDOW, groups=2)
+    tokens = [1 + i % 9 for i in range(64)]
+    r = run(m, "a", tokens, hit_point_tokens=(32,))
+    keys = list(m.keys(r))
+    for i in range(8, 15):  # the chain past the kept point, marked useless (as the cascade does)
+        m.pool.demote(m.pool.index[keys[i]])
+    assert all(m.pool.index[keys[i]].block_id in m.pool.low for i in range(8, 15))
+    # the window blocks past the kept point are gone: a request resumes at block 8
+    for i in range(8, 16):
+        for g in m.windows.groups:
+            b = m.pool.index.pop(group_key(keys[i], g), None)
+            if b is not None:
+                m.pool.index[b.key] = b
+                m.pool.demote(b)
+    evict_interior_windows = [b for b in list(m.pool.low.values()) if b.group]
+    for b in evict_interior_windows:
+        del m.pool.low[b.block_id]
+        m.pool._uncache(b, evicted=True)
+        m.pool.empty.append(b.block_id)
+    again = run(m, "again", tokens + [5] * 4)
+    assert again.cache_report.cached_tokens == 32
+    for i in range(8, 15):  # computed again: the cached copies serve hits, out of ``low``
+        b = m.pool.index[keys[i]]
+        assert not b.dead and b.block_id not in m.pool.low
+
+
+@pytest.mark.parametrize("policy", ["lru", "freq"])
+def test_a_pool_holding_every_sessions_last_window_keeps_every_turns_hit(policy):
+    """12 sessions x 5 turns round robin, in a pool that holds each session's full chain plus one
+    window (not every turn's): every later turn hits at its previous turn's end, as in a pool
+    with room for everything. Without superseding the earlier turns' windows, freq (which
+    favours the windows hit most, the older turns') does not."""
+    sessions, turns = 12, 5
+    big = hybrid(20000, window=WINDOW, groups=2, policy=policy)
+    ideal = chat(big, sessions, turns)
+    last = 40 + turns * (8 + 6)
+    per_session = -(-last // BS) + 2 * (-(-WINDOW // BS) + 1)
+    pages = sessions * per_session + 40
+    m = hybrid(pages, window=WINDOW, groups=2, policy=policy)
+    got = chat(m, sessions, turns)
+    assert got[2] == 0 and got == ideal
+    if policy == "freq":  # lru evicts the older turns' windows first anyway; freq's counts do not
+        m = hybrid(pages, window=WINDOW, groups=2, policy=policy)
+        m.windows.keeper.supersede = lambda keys, resume: None
+        worse = chat(m, sessions, turns)
+        assert worse[0] < ideal[0]
