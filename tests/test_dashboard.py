@@ -244,6 +244,12 @@ def test_dashboard_in_a_real_browser(srv, browser):
         assert "Quill" in page.locator("#tree").inner_text()
         assert {"alice", "bob"} <= set(page.locator("#tree .tenant").all_inner_texts())
 
+        # a pool without window groups: the KV groups panel says one group of every layer, no table
+        layers = len(stats["kv_groups"][0]["layers"])
+        assert not stats["hybrid_kv"] and len(stats["kv_groups"]) == 1
+        assert page.locator("#groups-single").is_visible() and not page.locator("#groups").is_visible()
+        assert f"One KV group: every layer's K/V ({layers} layers)" in shown(page, "groups-single")
+
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
         assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

@@ -10,7 +10,9 @@ prompt excerpts (the prefix tree) and their figures.
 
 The page, its script and its style ship in ``dashboard_assets/`` inside the package (no CDN, no
 build step); the history the charts draw is kept by the browser. Knows nothing about the engine's
-internals: it asks ``cache_stats``, ``prefix_tree`` and ``tenant_overview``.
+internals: it asks ``cache_stats``, ``prefix_tree`` and ``tenant_overview``. The KV groups of a
+hybrid pool (bytes per group, hits by hit kind) come from ``cache_stats`` too and stay behind the
+same sign-in: they move with every tenant's traffic.
 """
 
 from __future__ import annotations
@@ -191,6 +193,38 @@ def _signed_in(request: Request) -> Response:
     return resp
 
 
+GROUP_FIELDS = ("group", "kind", "window", "pages_in_use", "pages_cached", "pages_kept",
+                "bytes_in_use", "bytes_cached")
+
+
+def _layer_list(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (a group of Gemma 3 27B holds a few of 62 layers)."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def kv_groups_view(s: dict[str, Any]) -> dict[str, Any]:
+    """The pool's KV groups as the page's "KV groups" panel draws them: per group its kind,
+    layers, bytes in use and cached, pages kept; a hybrid pool's hits by hit kind, the hits that
+    resumed earlier than the full groups' run and its interior blocks (the operator's view)."""
+    groups = s.get("kv_groups") or []
+    return {
+        "hybrid": bool(s.get("hybrid_kv")),
+        "num_layers": sum(len(g.get("layers", [])) for g in groups),
+        "page_bytes": s.get("page_bytes"),
+        "groups": [{**{k: g.get(k) for k in GROUP_FIELDS}, "layers": _layer_list(g.get("layers", []))}
+                   for g in groups],
+        "hits_by_kind": dict(s.get("window_hits_by_kind", {})),
+        "resumed_earlier": s.get("window_resumed_earlier", 0),
+        "blocks_interior": s.get("blocks_interior", 0),
+    }
+
+
 def dashboard_data(state: ServerState, e: LLMEngine) -> dict[str, Any]:
     """What one poll of the page gets (a few KB), read in the engine thread."""
     s = e.cache_stats()
@@ -237,6 +271,7 @@ def dashboard_data(state: ServerState, e: LLMEngine) -> dict[str, Any]:
         "running": s["running"],
         "waiting": s["waiting"],
         "tiers": {name: {k: t.get(k) for k in tier_fields} for name, t in s["tiers"].items()},
+        "kv_groups": kv_groups_view(s),
         "tenants": tenants[:MAX_TENANTS],
         "num_tenants": len(tenants),
         "prefix_tree": tree,

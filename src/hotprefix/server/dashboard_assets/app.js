@@ -297,6 +297,37 @@
     $("tiers-empty").hidden = names.length > 0;
   }
 
+  /* A hybrid pool: a row per KV group and the hits by hit kind; one group of every layer: a line. */
+  function drawGroups(d) {
+    const g = d.kv_groups;
+    $("groups-body").hidden = !g.hybrid;
+    $("groups-single").hidden = g.hybrid;
+    if (!g.hybrid) {
+      setText("groups-single", `One KV group: every layer's K/V (${fmtInt(g.num_layers)} layers) for every ` +
+              "token. No sliding-window groups.");
+      setText("groups-note", "");
+      return;
+    }
+    const exact = (n) => `${fmtInt(n)} bytes`;
+    $("groups").querySelector("tbody").replaceChildren(...g.groups.map((r) => h("tr", {"data-group": r.group},
+      h("td", {}, String(r.group)),
+      h("td", {}, r.kind),
+      h("td", {class: "layers"}, r.layers),
+      h("td", {class: "n", "data-bytes": r.bytes_in_use, title: exact(r.bytes_in_use)}, bytes(r.bytes_in_use)),
+      h("td", {class: "n", "data-bytes": r.bytes_cached, title: exact(r.bytes_cached)}, bytes(r.bytes_cached)),
+      h("td", {class: "n", title: `${fmtInt(r.pages_kept)} of ${fmtInt(r.pages_cached)} cached pages kept`},
+        fmtInt(r.pages_kept)))));
+    const kinds = Object.entries(g.hits_by_kind).sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+    const item = (name, n, attrs) => h("li", {}, h("span", {}, name), h("span", {class: "n", ...attrs}, fmtInt(n)));
+    $("group-hits").replaceChildren(...kinds.map(([kind, n]) => item(kind, n, {"data-kind": kind})));
+    $("group-hits-empty").hidden = kinds.length > 0;
+    $("group-extra").replaceChildren(
+      item("resumed earlier (a window was gone)", g.resumed_earlier, {"data-figure": "resumed_earlier"}),
+      item("interior blocks (evicted first)", g.blocks_interior, {"data-figure": "blocks_interior"}));
+    setText("groups-note", `${g.groups.length} groups of ${fmtInt(g.num_layers)} layers · ` +
+            `${bytes(g.page_bytes)} a page`);
+  }
+
   function drawTenants(d) {
     $("tenants").querySelector("tbody").replaceChildren(...d.tenants.map((t) => h("tr", {"data-tenant": t.tenant},
       h("td", {}, tenantLabel(t.tenant)),
@@ -367,6 +398,7 @@
     drawCauses(d);
     drawPool(d);
     drawTiers(d);
+    drawGroups(d);
     drawTenants(d);
     drawTree(d);
   }
