@@ -138,7 +138,8 @@ class CacheConfig:
     """Keep every layer's K/V for every token (vLLM's flag). By default a model with
     sliding-window layers (Gemma 3) gets a hybrid pool: its window layers keep only the blocks a
     query can see plus the windows before hit points (prompt and turn ends, divergence points),
-    a fraction of the memory for the same hits. KV tiers (``kv_store``) turn it off."""
+    a fraction of the memory for the same hits. KV tiers (``kv_store``) keep each group's part of
+    a block (group 0's always, a window group's when the pool had it cached)."""
     hash_algo: str = "sha256"
     """Block key hash: ``sha256`` (safe across tenants) or ``fast`` (Python's built-in 64-bit
     tuple hash: faster, valid within one process, collisions can be forged: never with several tenants)."""

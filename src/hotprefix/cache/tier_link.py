@@ -12,6 +12,14 @@ The flow for one request:
   ``store``        after a step, blocks that became cached are copied out and queued for the
                    tiers' background writer (dropped and counted when its queue is full).
 
+A hybrid pool (``window_groups``) writes, with each block group 0 caches, every other group's page
+of that block the pool holds then (in one entry: ``tiers.group_blob``): all of them, as a chunk's
+window blocks are all cached at the commit that caches its group-0 blocks; a window block's
+``kept`` status is only known when the request releases it, later, and would cost a second write.
+An install then places the group-0 run and, of the window pages that came with it, those of the
+windows before the point where the request can resume (``kv_groups.resume_point`` over what the
+pool holds and what verified), so the manager's ``WindowGroups.resume`` finds them.
+
 Moving bytes in and out of pool blocks is the runner's job (``BlockIO``); this module only
 knows keys, block ids and bytes. Imports no torch.
 """
@@ -27,9 +35,11 @@ from typing import Protocol, Sequence
 from hotprefix.cache.block import AdmitInfo, KVBlock
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, BlockKey
+from hotprefix.cache.kv_groups import group_key, resume_point
 from hotprefix.cache.request import CacheRequest
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.tiers import FetchedBlock, TierEntry, TierStack
+from hotprefix.cache.window_groups import WindowGroups
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,7 @@ class PoolOwner(Protocol):
     block_size: int
     pool: BlockPool
     hasher: BlockHasher
+    windows: WindowGroups | None
 
     def keys(self, req: CacheRequest) -> list[BlockKey]: ...
 
@@ -53,7 +64,8 @@ class PoolOwner(Protocol):
 
 
 class BlockIO(Protocol):
-    """Copies the K/V of pool blocks to bytes and back (implemented by the runner)."""
+    """Copies the K/V of pool blocks to bytes and back (implemented by the runner): whole-model
+    blocks, or a hybrid pool's pages (one group's layers)."""
 
     layout: str
     payload_len: int
@@ -81,6 +93,9 @@ class TierState:
     fetch: TierFetch | None = None
     loaded: dict[str, int] = field(default_factory=dict)
     """Blocks installed from each tier for this request."""
+    repair: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Block index -> the groups whose parts of its entry failed verification: once this request
+    has cached those groups' blocks, the entry is written again, whole."""
 
 
 class TierLink:
@@ -182,6 +197,7 @@ class TierLink:
         use = fetched[skip:] if 0 <= skip < len(fetched) else []
         use = use[:len(new)]
         ids, payloads, placed = [], [], []
+        pages: dict[int, dict[int, memoryview]] = {}
         for j, (blk, fb) in enumerate(zip(new, use)):
             i = run + j
             if keys[i] in m.pool.index:  # cached meanwhile by another request
@@ -189,6 +205,10 @@ class TierLink:
             ids.append(blk.block_id)
             payloads.append(fb.payload)
             placed.append((i, blk, fb.tier))
+            if fb.parts:
+                pages[i] = fb.parts
+            if fb.bad:
+                st.repair[i] = fb.bad
         if ids:
             self.io.write_blocks(ids, payloads)
         for i, blk, tier in placed:
@@ -200,7 +220,38 @@ class TierLink:
                 break
             st.loaded[tier] = st.loaded.get(tier, 0) + 1
             m.record_loaded(req, i)
+        held = self._install_windows(m, req, keys, pages) if m.windows is not None and pages else []
         m.pool.free(new)  # installed blocks become free-and-cached, the rest empty again
+        m.pool.free(held)  # after the full blocks they make reachable (as ``manager.free``)
+
+    def _install_windows(self, m: PoolOwner, req: CacheRequest, keys: Sequence[BlockKey],
+                         pages: dict[int, dict[int, memoryview]]) -> list[KVBlock]:
+        """Place the fetched window pages of the windows before the resume point the pool and
+        ``pages`` allow; returns the blocks taken (the caller frees them, cached)."""
+        w = m.windows
+        assert w is not None
+        bs = m.block_size
+        index = m.pool.index
+
+        def holds(g: int, i: int) -> bool:
+            return group_key(keys[i], g) in index or g in pages.get(i, ())
+
+        n = resume_point(len(m.pool_run(req)), zip(w.groups, w.windows), bs, holds)
+        want = [(g, i) for g, win in zip(w.groups, w.windows) for i in w.window_blocks(n, win)
+                if g in pages.get(i, ()) and group_key(keys[i], g) not in index]
+        if not want:
+            return []
+        blocks = m.pool.allocate(min(len(want), m.pool.num_free)) or []
+        want = want[:len(blocks)]
+        self.io.write_blocks([b.block_id for b in blocks], [pages[i][g] for g, i in want])
+        for b, (g, i) in zip(blocks, want):
+            salt = req.salt if i == req.salt_from_block else None
+            if group_key(keys[i], g) in index or not w.cache_block(
+                    b, keys, req.token_ids[i * bs:(i + 1) * bs], i, g, salt):
+                b.group, b.chain = 0, None  # freed empty
+                continue
+            b.kept = True  # the window before the point this request resumes at
+        return blocks
 
     def sources(self, req: CacheRequest, cached_blocks: int, block_size: int) -> dict[str, int]:
         """Prompt tokens served from cache, by where they came from (``pool`` first)."""
@@ -208,7 +259,10 @@ class TierLink:
         loaded = dict(st.loaded) if st is not None else {}
         from_tiers = min(sum(loaded.values()), cached_blocks)
         out = {"pool": (cached_blocks - from_tiers) * block_size}
-        out.update({t: n * block_size for t, n in loaded.items()})
+        for t, n in loaded.items():  # a hit shorter than the loaded run (a hybrid pool resumed
+            n = min(n, from_tiers)   # earlier) counts only the loaded blocks it covers
+            from_tiers -= n
+            out[t] = n * block_size
         return out
 
     def forget(self, req: CacheRequest) -> None:
@@ -218,18 +272,56 @@ class TierLink:
 
     # ------------------------------------------------------------------ writes
     def store(self, m: PoolOwner, req: CacheRequest, placed: list[tuple[int, KVBlock]]) -> None:
-        """Queue blocks that this step cached for the tiers (write-through)."""
+        """Queue blocks that this step cached for the tiers (write-through), and the loaded
+        blocks whose entries lacked a bad part that the pool now holds (``TierState.repair``)."""
+        st = self._state.get(req.request_id)
+        if st is not None and st.repair:
+            placed = placed + self._repairs(m, req, st)
         if not placed:
             return
         keys = m.keys(req)
         bs = m.block_size
-        payloads = self.io.read_blocks([blk.block_id for _, blk in placed])
+        payloads = self._payloads(m, keys, placed)
         for (i, blk), payload in zip(placed, payloads):
             entry = TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
                               tuple(req.token_ids[i * bs:(i + 1) * bs]))
             own = req.retains(i)
             ttl = req.pin_ttl_for((i + 1) * bs) if own else 0.0
             self.tiers.store(entry, payload, ttl_s=ttl or None, priority=req.priority if own else 0)
+
+    @staticmethod
+    def _repairs(m: PoolOwner, req: CacheRequest, st: TierState) -> list[tuple[int, KVBlock]]:
+        keys = m.keys(req)
+        out = []
+        for i, groups in list(st.repair.items()):
+            blk = m.pool.index.get(keys[i])
+            if blk is None:  # evicted meanwhile: nothing to write it from
+                del st.repair[i]
+            elif all(group_key(keys[i], g) in m.pool.index for g in groups):
+                del st.repair[i]
+                out.append((i, blk))
+        return out
+
+    def _payloads(self, m: PoolOwner, keys: Sequence[BlockKey], placed: list[tuple[int, KVBlock]]
+                  ) -> list[bytes] | list[dict[int, bytes]]:
+        """Per placed block, its K/V bytes; a hybrid pool's: group -> page, of every group the
+        pool holds the block of now (group 0's always), read in one copy."""
+        if m.windows is None:
+            return self.io.read_blocks([blk.block_id for _, blk in placed])
+        owners: list[tuple[int, int]] = []
+        ids: list[int] = []
+        for j, (i, blk) in enumerate(placed):
+            owners.append((j, 0))
+            ids.append(blk.block_id)
+            for g in m.windows.groups:
+                b = m.pool.index.get(group_key(keys[i], g))
+                if b is not None:
+                    owners.append((j, g))
+                    ids.append(b.block_id)
+        out: list[dict[int, bytes]] = [{} for _ in placed]
+        for (j, g), page in zip(owners, self.io.read_blocks(ids)):
+            out[j][g] = page
+        return out
 
     def stats(self, block_size: int) -> dict[str, dict]:
         """Per tier: the stack's counters, ``hit_tokens``, and the link's own counters."""

@@ -215,12 +215,16 @@ class WindowGroups:
                 if key in self.pool.index:  # computed twice: the cached copy stays, this one
                     st.dups[(g, i)] = self.pool.index[key]  # is freed empty (``_release``)
                     continue
-                b.group = g
-                b.chain = (keys[i], keys[i - 1] if i else None)
-                info = AdmitInfo(depth=i, parent=group_key(keys[i - 1], g) if i else None,
-                                 salt=salt_of(i))
-                self.pool.cache_block(b, key, toks, info)
+                self.cache_block(b, keys, toks, i, g, salt_of(i))
         st.num_committed = max(st.num_committed, n_full)
+
+    def cache_block(self, b: KVBlock, keys: Sequence[BlockKey], token_ids: Sequence[int], i: int,
+                    g: int, salt: str | None) -> bool:
+        """Cache ``b`` as group ``g``'s block ``i`` (computed here, or loaded from a KV tier)."""
+        b.group = g
+        b.chain = (keys[i], keys[i - 1] if i else None)
+        info = AdmitInfo(depth=i, parent=group_key(keys[i - 1], g) if i else None, salt=salt)
+        return self.pool.cache_block(b, group_key(keys[i], g), token_ids, info)
 
     def add_hit_point(self, request_id: str, n: int, kind: str) -> None:
         st = self._reqs.get(request_id)

@@ -130,7 +130,7 @@ class LLMEngine:
         if windows:
             self.cache.windows = WindowGroups(pool, cc.block_size, windows)
         self.cache.fixed_prefix = chat_fixed_prefix(self.tokenizer)
-        self.cache.tiers = open_tiers(cc, self.runner.kv_caches)
+        self.cache.tiers = open_tiers(cc, self.runner.kv_caches, layout)
         tier_names = self.cache.tiers.tiers.names if self.cache.tiers is not None else []
         self.kv_events = open_kv_events(cc, pool, [n.rstrip("0123456789") for n in tier_names],
                                         windows)

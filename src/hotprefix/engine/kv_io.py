@@ -9,6 +9,11 @@ one indexed copy per layer and tensor. Loads go through one staging buffer, allo
 when the tiers open and reused for every load: a fresh process's first load would otherwise pay
 the page faults of a new buffer as large as the prompt's K/V, which is most of a load's time on a
 machine where other big processes run.
+
+A hybrid pool (``cache/kv_groups.py``) moves pages instead: a page holds one KV group's layers
+(``page_layers`` of them, in the slot order of ``runner.kv_slots``), and its layout tag names the
+groups (each one's layers and window) after the page's shape, so no whole-model block is read as
+a page, nor a page of another grouping.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hotprefix.cache.kv_groups import GroupLayout
 from hotprefix.config import CacheConfig, ConfigError, parse_bytes
 from hotprefix.model.kv_dtype import head_dim_of, kv_dtype_of
 
@@ -33,7 +39,12 @@ STAGING_BLOCKS = 32
 class KVBlockIO:
     """The runner's ``BlockIO`` (see ``hotprefix.cache.tier_link``)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], tag: str = ""):
+        """
+        Args:
+            kv_caches: (K, V) per layer of a block (per slot of a page, for a hybrid pool).
+            tag: appended to the layout tag (a hybrid pool's groups).
+        """
         self.kv_caches = kv_caches
         k0 = kv_caches[0][0]
         _, self.block_size, self.num_kv_heads, row = k0.shape
@@ -49,7 +60,7 @@ class KVBlockIO:
         elem = (str(self.dtype).replace("torch.", "") if not kv.quantized
                 else f"{kv.name}-s{kv.row_extra}")
         self.layout = (f"kv{LAYOUT_VERSION}/{elem}/L{self.num_layers}"
-                       f"/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}")
+                       f"/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}{tag}")
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """The payload of each block (copied: the pool may reuse the block right after)."""
@@ -104,21 +115,36 @@ def read_secret(value: str | None) -> bytes | None:
     return value.encode()
 
 
-def open_tiers(cache_cfg: CacheConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The ``TierLink`` for ``--kv-store`` (None without tiers). Raises ConfigError on a bad URL."""
+def groups_tag(layout: GroupLayout) -> str:
+    """A hybrid layout's part of the layout tag: every group's layers and window."""
+    return "/G" + ";".join(f"{'-'.join(map(str, g.layers))}w{g.window}" for g in layout.groups)
+
+
+def open_tiers(cache_cfg: CacheConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               layout: GroupLayout | None = None):
+    """The ``TierLink`` for ``--kv-store`` (None without tiers). Raises ConfigError on a bad URL.
+
+    Args:
+        kv_caches: (K, V) per model layer (a hybrid pool's layers share their slots' tensors).
+        layout: the pool's KV groups; a hybrid one stores a page per group (``group_blob``).
+    """
     if not cache_cfg.kv_store:
         return None
     from hotprefix.cache.tier_link import TierLink
     from hotprefix.cache.tiers import TierStack
 
-    io = KVBlockIO(kv_caches)
+    grouped = layout is not None and layout.hybrid
+    if grouped:  # slot j's tensors: those of group 0's j-th layer (every group's, alike)
+        io = KVBlockIO([kv_caches[layer] for layer in layout.groups[0].layers], groups_tag(layout))
+    else:
+        io = KVBlockIO(kv_caches)
     max_bytes = parse_bytes(cache_cfg.kv_store_max_bytes) if cache_cfg.kv_store_max_bytes else None
     try:
         stack = TierStack(list(cache_cfg.kv_store), io.layout, secret=read_secret(cache_cfg.kv_store_secret),
                           max_bytes=max_bytes, timeout_s=cache_cfg.kv_store_timeout,
-                          ttl_s=cache_cfg.kv_store_ttl_s)
+                          ttl_s=cache_cfg.kv_store_ttl_s, grouped=grouped)
     except ValueError as e:
         raise ConfigError(f"kv_store: {e}") from None
-    log.info("KV tiers: %s (layout %s, %d bytes per block)", ", ".join(stack.names), io.layout,
-             io.payload_len)
+    log.info("KV tiers: %s (layout %s, %d bytes per %s)", ", ".join(stack.names), io.layout,
+             io.payload_len, "group page" if grouped else "block")
     return TierLink(stack, io, cache_cfg.kv_store_timeout)

@@ -120,11 +120,11 @@ class ModelRunner:
         blocks = plan_num_blocks(cache_cfg, self.bytes_per_token * bs, self.weights_bytes, self.device)
         self.layout: GroupLayout = plan_groups(
             arch.num_layers, arch.local_layers, arch.sliding_window,
-            hybrid=not cache_cfg.disable_hybrid_kv_cache_manager and not cache_cfg.kv_store)
+            hybrid=not cache_cfg.disable_hybrid_kv_cache_manager)
         """The pool's KV groups (one group of every layer unless the model has window layers)."""
-        if arch.local_layers and cache_cfg.kv_store and not cache_cfg.disable_hybrid_kv_cache_manager:
-            log.warning("KV tiers hold whole-model blocks: every layer's K/V is kept for every "
-                        "token (the hybrid KV groups are off with --kv-store)")
+        if self.layout.hybrid and cache_cfg.kv_store:
+            log.info("KV tiers with the hybrid pool: a tier entry holds each group's page of a "
+                     "block (group 0's always; a window group's when the pool had it cached)")
         lay = self.layout
         self.num_blocks = lay.pages_for_blocks(blocks)
         """Pages in the pool (whole-model blocks unless hybrid: then ``page_layers`` layers each)."""

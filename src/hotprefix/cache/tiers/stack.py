@@ -7,6 +7,11 @@ counts; the first block that no tier has, or that fails verification, ends the r
 entry is deleted and counted. ``store`` queues a block for the background writer, which writes it
 to every tier; a full queue drops the write and counts it, never blocking the caller.
 
+A hybrid pool's stack is ``grouped``: an entry holds one part per KV group (``group_blob``), each
+verified alone; a bad part of a window group is counted (``corrupt`` / ``bad_signature``) and
+left out of the fetched block, while the rest of the block still counts (the entry is kept: its
+group-0 part is good).
+
 A tier that fails is degraded (skipped for reads and writes) and retried after ``retry_after_s``;
 no call here raises because a tier failed. Blocks served by a slower tier are also queued for the
 faster tiers that lacked them (read-through fill), so the next load is served closer.
@@ -19,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotprefix.cache.tiers.base import PutItem, Tier, TierError, TierOptions, TierTimeout
 from hotprefix.cache.tiers.blob import BadSignature, CorruptEntry, decode_blob, encode_blob, storage_key
+from hotprefix.cache.tiers.group_blob import decode_groups, encode_groups
 from hotprefix.cache.tiers.health import TierHealth
 from hotprefix.cache.tiers.registry import make_tier
 from hotprefix.cache.tiers.writer import BackgroundWriter
@@ -50,7 +56,12 @@ class FetchedBlock:
     """Name of the tier that served it (``host``, ``disk``, ``redis``; ``disk2``... for a second
     tier of one kind)."""
     payload: bytes | memoryview
-    """The K/V bytes exactly as given to ``store`` (a read-only view into the verified blob)."""
+    """The K/V bytes exactly as given to ``store`` (a read-only view into the verified blob);
+    in a grouped stack, group 0's page."""
+    parts: dict[int, memoryview] = field(default_factory=dict)
+    """A grouped stack: group -> page of every other group whose part verified (else empty)."""
+    bad: tuple[int, ...] = ()
+    """A grouped stack: the groups whose parts failed verification (counted, left out)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,8 @@ class _WriteJob:
     ttl_s: float
     priority: int
     entry: TierEntry | None = None
-    payload: bytes | None = None
+    payload: bytes | dict[int, bytes] | None = None
+    """A block's K/V bytes; in a grouped stack, group -> page."""
     blob: bytes | None = None
 
 
@@ -83,6 +95,8 @@ class TierStack:
         ttl_s: default expiry of network tier entries, seconds.
         queue_blocks: capacity of the writer's queue, in blocks.
         retry_after_s: how long a failed tier is skipped before it is tried again.
+        grouped: entries hold one part per KV group (``group_blob``: a hybrid pool's); payloads
+            given to ``store`` are then ``{group: page}`` and ``payload_len`` is one page's size.
 
     Raises:
         ValueError: a URL or a setting is malformed (a failing tier never raises).
@@ -90,7 +104,7 @@ class TierStack:
 
     def __init__(self, urls: list[str], layout: str, *, secret: bytes | None = None,
                  max_bytes: int | None = None, timeout_s: float = 2.0, ttl_s: float = 86400.0,
-                 queue_blocks: int = 256, retry_after_s: float = 5.0):
+                 queue_blocks: int = 256, retry_after_s: float = 5.0, grouped: bool = False):
         if timeout_s <= 0 or ttl_s <= 0 or retry_after_s < 0 or queue_blocks < 1:
             raise ValueError("TierStack: timeout_s and ttl_s must be positive, retry_after_s "
                              "non-negative, queue_blocks at least 1")
@@ -99,6 +113,7 @@ class TierStack:
         if secret is not None and not secret:
             raise ValueError("TierStack: an empty secret signs nothing; pass None for no secret")
         self.layout = layout
+        self.grouped = grouped
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self._secret = secret
@@ -177,9 +192,16 @@ class TierStack:
                 self._health[ti].count(timeouts=1)
                 break
             t = time.monotonic()
+            parts: dict = {}
+            bad: list = []
             try:
-                payload = decode_blob(blob, key=e.key, parent=e.parent, token_ids=e.token_ids,
-                                      layout=self.layout, payload_len=payload_len, secret=self._secret)
+                if self.grouped:
+                    payload, parts, bad = decode_groups(
+                        blob, key=e.key, parent=e.parent, token_ids=e.token_ids, layout=self.layout,
+                        payload_len=payload_len, secret=self._secret)
+                else:
+                    payload = decode_blob(blob, key=e.key, parent=e.parent, token_ids=e.token_ids,
+                                          layout=self.layout, payload_len=payload_len, secret=self._secret)
             except CorruptEntry as err:
                 self._drop_bad(ti, skeys[i], "corrupt", err)
                 break
@@ -187,9 +209,12 @@ class TierStack:
                 self._drop_bad(ti, skeys[i], "bad_signature", err)
                 break
             self._health[ti].count(hit_blocks=1, bytes_read=len(blob), load_seconds=time.monotonic() - t)
-            out.append(FetchedBlock(self.names[ti], payload))
+            for g, err in bad:  # a window group's part alone: that group's block is not loaded
+                self._health[ti].count(**{"bad_signature" if isinstance(err, BadSignature) else "corrupt": 1})
+                log.warning("KV tier %s: dropped group %d's part of an entry (%s)", self.names[ti], g, err)
+            out.append(FetchedBlock(self.names[ti], payload, parts, tuple(g for g, _ in bad)))
             faster = tuple(tj for tj in range(ti) if i in asked[tj])
-            if faster:
+            if faster and not bad:
                 self._offer(_WriteJob(skeys[i], faster, self.ttl_s, 0, blob=blob))
         last = min(len(out), n - 1)  # the position that ended the run (or the last one)
         for ti, positions in enumerate(asked):
@@ -209,13 +234,14 @@ class TierStack:
             health.failed(str(e), timeout=isinstance(e, TierTimeout))
 
     # ------------------------------------------------------------------ writes
-    def store(self, entry: TierEntry, payload: bytes, *, ttl_s: float | None = None,
+    def store(self, entry: TierEntry, payload: bytes | dict[int, bytes], *, ttl_s: float | None = None,
               priority: int = 0) -> bool:
         """Queue a block for every tier (write-through); never blocks.
 
         Args:
             entry: the block's key, parent and token ids.
-            payload: its K/V bytes (kept as given until written).
+            payload: its K/V bytes (kept as given until written); a grouped stack: group -> page,
+                group 0's always.
             ttl_s: a retention pin: network tiers keep the entry ``max(ttl_s, default)`` seconds.
             priority: retention priority; budgeted tiers evict lower priorities first.
 
@@ -243,7 +269,8 @@ class TierStack:
             blob = job.blob
             if blob is None:
                 e = job.entry
-                blob = encode_blob(e.key, e.parent, e.token_ids, self.layout, job.payload, secret=self._secret)
+                encode = encode_groups if self.grouped else encode_blob
+                blob = encode(e.key, e.parent, e.token_ids, self.layout, job.payload, secret=self._secret)
             items.append((job, PutItem(job.skey, blob, job.ttl_s, job.priority)))
         for ti, (tier, health) in enumerate(zip(self._tiers, self._health)):
             mine = [item for job, item in items if ti in job.targets]
