@@ -69,8 +69,10 @@ class EvictionPolicy(ABC):
         """The block left the evictable set without being chosen (cache reset)."""
         self.on_use(block)
 
-    def on_request(self) -> None:
-        """A request was admitted (its first allocation); policies may use it as a clock."""
+    def on_request(self, ticks: int = 1) -> None:
+        """A request was admitted (its first allocation); policies may use it as a clock.
+        ``ticks``: the requests it stands for (in a fleet, this one and those routed to other
+        replicas since this replica's previous one: ``CacheRequest.fleet_seq``)."""
 
     def describe(self) -> dict[str, float | int | None]:
         """What the policy has learned, for the cache stats (JSON-safe)."""
@@ -116,7 +118,10 @@ class FreqCreditPolicy(EvictionPolicy):
     When a block becomes evictable it gets the fixed priority
     ``t_free + credit_requests * (log2(count) + priority)`` and the smallest priority is evicted
     first (ties: deeper block first, then the earlier free). ``t`` is a request counter
-    (``on_request``), ``count`` the number of distinct requests that referenced the block's key, and
+    (``on_request``: in a fleet, the fleet's requests, so that a replica that sees 1/R of them
+    ages its blocks as one cache of the fleet's size would; measured on the Mooncake trace, 4 x 3M:
+    0.961x one 12M cache with the fleet's clock, 0.941x with the replica's own),
+    ``count`` the number of distinct requests that referenced the block's key, and
     ``priority`` the block's retention priority (each level is worth one doubling of the count).
 
     * Scan-resistant: a block seen k times keeps a lead of ``credit_requests * log2(k)`` requests
@@ -187,8 +192,8 @@ class FreqCreditPolicy(EvictionPolicy):
                     self.credit_window = max(self.credit_requests, edge)
                     break
 
-    def on_request(self) -> None:
-        self.now += 1
+    def on_request(self, ticks: int = 1) -> None:
+        self.now += max(1, ticks)
 
     def describe(self) -> dict[str, float | int | None]:
         w = self.credit_window

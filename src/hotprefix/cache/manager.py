@@ -83,6 +83,7 @@ class KVCacheManager:
         self.windows: WindowGroups | None = None
         """A hybrid pool's sliding-window groups (``window_groups``; set by the engine), or None:
         every layer's K/V kept for every block."""
+        self._fleet_seq: int | None = None  # the latest CacheRequest.fleet_seq admitted
 
     # ------------------------------------------------------------------ keys
     def keys(self, req: CacheRequest) -> list[BlockKey]:
@@ -197,7 +198,7 @@ class KVCacheManager:
         first = st is None
         if first:
             st = self._reqs[req.request_id] = _ReqState()
-            self.pool.policy.on_request()
+            self.pool.policy.on_request(self._ticks(req))
         if hits:
             self.pool.touch(hits)
             st.blocks.extend(hits)
@@ -220,6 +221,14 @@ class KVCacheManager:
                     self.pending[key] = req.request_id
                     st.pending.append(key)
         return True
+
+    def _ticks(self, req: CacheRequest) -> int:
+        """Requests the eviction clock advances by at this admission (``CacheRequest.fleet_seq``)."""
+        seq = req.fleet_seq
+        if seq is None:
+            return 1
+        last, self._fleet_seq = self._fleet_seq, max(self._fleet_seq or 0, seq)
+        return seq - last if last is not None and seq > last else 1
 
     def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
         """Register the blocks that are full and computed after a step."""

@@ -44,6 +44,11 @@ class CacheRequest:
     and of each message): a hybrid pool keeps the sliding-window layers' K/V before them. With a
     tenant salt, only ends past the blocks that tenants share count (as for ``retains``). The
     server marks them on a hybrid pool (``hotprefix.server.message_ends``)."""
+    fleet_seq: int | None = None
+    """In a fleet, the router's count of the requests it had routed when it routed this one
+    (every replica's): the eviction policy's clock advances by the fleet's requests since this
+    replica's previous one, so a replica ages its blocks as one cache of the fleet would. None
+    (one server): one tick per request."""
     full_hit_blocks: int = 0
     """Set by the manager's lookup: the full groups' run of cached blocks, before a hybrid pool
     shortened it to where every window group also has its window."""

@@ -277,7 +277,7 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
         d = rt.route(keys, n_prompt)
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
         rep = fleet[d.replica]
-        h = _serve(rep.mgr, str(i), r, tokens, keys, bs)
+        h = _serve(rep.mgr, str(i), r, tokens, keys, bs, fleet_seq=i)
         computed = n_prompt - h * bs
         n_out = r.num_output_tokens if dec_rates else 0
         out_total += r.num_output_tokens
@@ -309,12 +309,13 @@ def replay_fleet(reqs: Sequence[TraceRequest], replicas: int, capacity_tokens: i
 
 
 def _serve(mgr: KVCacheManager, rid: str, r: TraceRequest, tokens: list[int], keys: list,
-           bs: int) -> int:
-    """One request through one replica's cache, as ``replay`` does it; returns its hit blocks."""
+           bs: int, fleet_seq: int | None = None) -> int:
+    """One request through one replica's cache, as ``replay`` does it; returns its hit blocks.
+    ``fleet_seq``: the fleet's request count (the replica's eviction clock: ``CacheRequest``)."""
     n_prompt = r.num_prompt_tokens
     creq = CacheRequest(rid, tokens[:n_prompt] if len(tokens) > n_prompt else tokens, n_prompt,
                         cache_write=r.cache_write, priority=r.priority, pin_ttl_s=r.pin_ttl_s,
-                        block_keys=list(keys))
+                        block_keys=list(keys), fleet_seq=fleet_seq)
     hits = mgr.lookup(creq)
     h = len(hits)
     n_tokens = r.num_tokens
