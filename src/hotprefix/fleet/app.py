@@ -69,7 +69,8 @@ def fleet_app(engine_config: EngineConfig, server_config: ServerConfig,
     front = serve.deployment(Frontend).options(name="Frontend", num_replicas=1,
                                                ray_actor_options={"num_cpus": 0},
                                                max_ongoing_requests=4096)
-    return front.bind(engine.bind(engine_config, server_config), server_config, fleet_config)
+    return front.bind(engine.bind(engine_config, server_config, fleet_config), server_config,
+                      fleet_config)
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -37,6 +37,13 @@ class FleetConfig:
     its own decisions)."""
     max_retries: int = 3
     """Times the front end resends a request whose replica died before it answered."""
+    fleet_clock: bool = True
+    """The eviction policy's clock counts the fleet's requests: the front end numbers the
+    generation requests it routes (``x-hotprefix-fleet-seq``; one count per front end) and each
+    replica's policy advances by the fleet's requests since its previous one
+    (``CacheRequest.fleet_seq``), so a replica that sees 1/N of them ages its blocks as one cache of
+    the fleet's size would. False: each replica counts its own requests (the header a client sent
+    is removed either way)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

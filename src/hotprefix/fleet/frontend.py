@@ -8,6 +8,12 @@ app; the front end adds only what needs the whole fleet:
     (``hints.PromptKeys``), and hands the block keys to the request router (``request_router``);
   * faults: a request whose replica died before answering is sent again to another replica
     (``max_retries``); a stream already under way cannot be, and ends;
+  * the fleet's clock: it numbers the generation requests it routes (``NUMBERED_PATHS``) and sends
+    the number in ``x-hotprefix-fleet-seq`` (``hotprefix.server.fleet_seq``), always removing the
+    header a client sent under that name, so only the front end moves the replicas' eviction
+    clocks. The count is this front end's: with several front-end replicas each would number its
+    own requests, and a replica's clock would then jump between unrelated counts (``fleet_app``
+    runs one);
   * fleet views: ``/v1/cache/stats`` (a tenant: its own figures summed over the replicas; the
     admin: the fleet's figures, each replica's and the router's), ``/metrics`` (every replica's
     series labelled ``replica``, plus the router's), ``/health`` and ``/v1/cache/reset`` (admin:
@@ -38,6 +44,7 @@ from hotprefix.fleet.merge import merge_metrics, merge_stats
 from hotprefix.fleet.replica import REPLICA_HEADER
 from hotprefix.fleet.live import routers
 from hotprefix.server.errors import too_large_body
+from hotprefix.server.fleet_seq import FLEET_SEQ_HEADER
 from hotprefix.server.limits import BodyLimit
 from hotprefix.server.protocol import error_body
 from hotprefix.server.tenants import TenantRegistry
@@ -53,6 +60,13 @@ KEYS_TRIES = 120
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
 RETRYABLE = (RayActorError,)
 """Errors that mean the replica is gone (``ActorDiedError``, ``ActorUnavailableError``)."""
+NUMBERED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/cache/warm")
+"""POST routes whose requests reach a replica's cache: each gets the fleet's next number."""
+
+
+def without_fleet_seq(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` less every ``x-hotprefix-fleet-seq`` (a client's must never reach a replica)."""
+    return [(k, v) for k, v in headers if k.lower() != FLEET_SEQ_HEADER]
 
 
 def _not_all_ok(replies: dict[str, "Reply"]) -> Response | None:
@@ -102,6 +116,17 @@ class Frontend:
         self.keys: PromptKeys | None = None
         self._keys_lock = asyncio.Lock()
         self._keys_task: asyncio.Task | None = None
+        self.num_numbered = 0
+        """Generation requests this front end has numbered (the last number sent)."""
+
+    def _number(self, method: str, path: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The headers to forward: the client's ``x-hotprefix-fleet-seq`` removed and, for a
+        generation request with ``fleet_clock``, this front end's next number in its place."""
+        headers = without_fleet_seq(headers)
+        if self.fleet.fleet_clock and method == "POST" and path in NUMBERED_PATHS:
+            self.num_numbered += 1
+            headers.append((FLEET_SEQ_HEADER, str(self.num_numbered)))
+        return headers
 
     async def _prompt_keys(self) -> PromptKeys | None:
         """The replicas' tokenizer, namespace and block size (asked of one replica, once)."""
@@ -164,7 +189,8 @@ class Frontend:
     async def _each(self, request: Request, method: str, path: str) -> dict[str, Reply]:
         """The same request to every live replica (Ray Serve's broadcast): replica name -> its
         reply; a replica that died meanwhile is left out."""
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS]
+        headers = without_fleet_seq([(k, v) for k, v in request.headers.items()
+                                     if k not in HOP_HEADERS])
         try:  # these routes take no body: none is read or sent to every replica
             response = self.engine.broadcast("call", method, path, request.url.query, headers, b"")
             results = await response.results_async(timeout_s=FANOUT_TIMEOUT_S, return_exceptions=True)
@@ -270,6 +296,7 @@ class Frontend:
                 keys = None
             if keys is not None:
                 hint = await asyncio.to_thread(keys.hint, request.url.path, dict(request.headers), body)
+        headers = self._number(request.method, request.url.path, headers)  # as it is routed
         try:
             reply = await self._send(request.method, request.url.path, request.url.query,
                                      headers, body, hint)

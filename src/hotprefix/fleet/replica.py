@@ -3,7 +3,9 @@
 Inside is the single server, unchanged: ``create_app`` builds the engine and its FastAPI app, and
 every request the front end forwards runs through that app in-process (``asgi.call_asgi``), so
 validation, tenants, errors, streaming and cache reports are the single server's. The replica adds
-its name: the ``x-hotprefix-replica`` header and ``replica`` in every cache report.
+its name: the ``x-hotprefix-replica`` header and ``replica`` in every cache report; and, with
+``FleetConfig.fleet_clock``, its server reads the front end's request number
+(``x-hotprefix-fleet-seq``, ``hotprefix.server.fleet_seq``) for the eviction policy's clock.
 
 It reports its work and rates (``work``: prompt tokens still to prefill, decode tokens left, its
 measured prefill tok/s and seconds per decoded token, the mean output of its requests, and when it
@@ -28,6 +30,7 @@ from ray import serve
 
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.asgi import Header, call_asgi
+from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.hints import RouteHint
 from hotprefix.fleet.work import StepMeter
 from hotprefix.server.app import create_app
@@ -72,7 +75,9 @@ def bind_events(endpoint: str, start: int = 0) -> tuple[str, str, str]:
 class EngineReplica:
     """One engine and the single server's app (see the module docstring)."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 fleet_config: FleetConfig | None = None):
+        fleet_config = fleet_config or FleetConfig()
         self.name = serve.get_replica_context().replica_id.unique_id
         self.events: tuple[str, str] | None = None
         wanted = engine_config.cache.kv_events
@@ -85,7 +90,10 @@ class EngineReplica:
                 engine_config = engine_config.replace(kv_events=bind, kv_events_replay=replay)
                 self.events = (reach, reach.rsplit(":", 1)[0] + ":" + replay.rsplit(":", 1)[1])
             try:
-                self.app = create_app(engine_config, server_config)
+                # every request comes through the front end, which sets (or removes) the
+                # fleet's request number: only a replica reads it
+                self.app = create_app(engine_config, server_config,
+                                      fleet_clock=fleet_config.fleet_clock)
                 break
             except ConfigError as e:
                 if not wanted or "cannot bind" not in str(e) or attempt == BIND_TRIES - 1:

@@ -32,8 +32,12 @@ MIN_REQUEST_BYTES = 1024
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
-               engine: LLMEngine | None = None) -> FastAPI:
+               engine: LLMEngine | None = None, fleet_clock: bool = False) -> FastAPI:
     """Build the engine (unless given) and the FastAPI app; the engine thread starts here.
+
+    ``fleet_clock``: this server is a fleet replica (``hotprefix.fleet.replica``) whose requests
+    all come through the fleet's front end: it reads the front end's request number
+    (``server/fleet_seq.py``). Never for a standalone server, where a client could send it.
 
     Raises:
         ConfigError: the API key file is unreadable or invalid, a server limit is out of range,
@@ -50,6 +54,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
                                        server_config.shared_prefix_tokens)
     engine = engine or LLMEngine(engine_config)
     state = ServerState(engine, server_config, tenants)
+    state.reads_fleet_seq = fleet_clock
     state.aengine.start()
 
     @asynccontextmanager

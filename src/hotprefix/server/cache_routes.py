@@ -67,7 +67,7 @@ async def cache_warm(body: P.WarmRequest, request: Request, tenant: Tenant = Dep
             if await request.is_disconnected():  # each submission waits for an engine step
                 return Response(status_code=CLIENT_CLOSED)
             streams.append(await submit(state, ids, params, f"warm-{uuid.uuid4().hex}", tenant, None,
-                                        f"{param}[{i}]"))
+                                        f"{param}[{i}]", request=request))
         outs = []
         for s in streams:
             out = await collect(s, request)

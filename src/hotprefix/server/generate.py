@@ -28,6 +28,7 @@ from hotprefix.server import protocol as P
 from hotprefix.server import tools as T
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
+from hotprefix.server.fleet_seq import fleet_seq
 from hotprefix.server.message_ends import message_ends
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import LogprobView, collect, stream_response
@@ -112,9 +113,13 @@ def sampling(body: P._SamplingFields, max_tokens: int | None,
 
 async def submit(state: ServerState, prompt: list[int], params: SamplingParams, rid: str,
                  tenant: Tenant, ctl: P.CacheControl | None, prompt_param: str,
-                 hints: CacheHints | None = None) -> RequestStream:
+                 hints: CacheHints | None = None, request: Request | None = None) -> RequestStream:
+    """Queue the request with its cache options; ``request``: the HTTP request, whose fleet number
+    (``server/fleet_seq.py``) a fleet replica passes on as ``fleet_seq``."""
+    seq = None if request is None else fleet_seq(state.reads_fleet_seq, request.headers)
     try:
         return await state.aengine.add_request(prompt, params, rid, user_data=tenant.tag,
+                                               fleet_seq=seq,
                                                **cache_options(state, tenant, ctl, hints))
     except SUBMIT_ERRORS as e:
         raise rejection(e, prompt_param) from None
@@ -211,7 +216,7 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = await submit(state, ids, params, rid, tenant, body.hotprefix, field,
-                          openai_hints(body, len(ids), ends))
+                          openai_hints(body, len(ids), ends), request)
     view = logprob_view(state, body, ids, params)
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)

@@ -173,7 +173,7 @@ async def messages(body: A.MessagesRequest, request: Request,
         await C.compile_for(state.engine, constraint, tenant.salt)
         params.structured_outputs = constraint.spec
     rid = f"msg_{uuid.uuid4().hex}"
-    stream = await submit(state, ids, params, rid, tenant, None, "messages", hints)
+    stream = await submit(state, ids, params, rid, tenant, None, "messages", hints, request)
     if body.stream:
         return stream_messages(state, body, stream, rid, tenant, constraint)
     out = await final_output(stream, request)

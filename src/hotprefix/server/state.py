@@ -59,6 +59,10 @@ class ServerState:
         self.replica: str | None = None
         """This server's replica name in a fleet (``hotprefix.fleet``): set, every cache report
         carries it; None for the single server."""
+        self.reads_fleet_seq = False
+        """Generation routes read the fleet front end's request number (``server/fleet_seq.py``)
+        and pass it to the engine as ``fleet_seq``: set by ``create_app(fleet_clock=True)``, for a
+        fleet replica only; a standalone server ignores the header."""
         self._tok_lock = threading.Lock()
         self._log_file = open_private(config.log_requests) if config.log_requests else None
         self.log_failures = 0
