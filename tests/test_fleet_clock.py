@@ -284,3 +284,15 @@ def test_a_fork_adds_no_tick_and_a_repeated_number_one():
     m.free(again)
     admit(m, "b", [2] * (2 * BS), 9)
     assert m.pool.policy.now == now + 1 + (9 - 5)
+
+
+def test_a_restarted_front_end_counts_again_from_its_new_numbers():
+    """The front end restarts and numbers from 1 again: the replica follows the new count at once
+    (one tick for the first), instead of ticking once a request until it passes the old one."""
+    m = manager()
+    ticks = []
+    for i, seq in enumerate((100, 104, 1, 3, 7)):
+        before = m.pool.policy.now
+        m.free(admit(m, f"r{i}", [i + 1] * (2 * BS), seq))
+        ticks.append(m.pool.policy.now - before)
+    assert ticks == [1, 4, 1, 2, 4]

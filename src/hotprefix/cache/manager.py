@@ -227,7 +227,9 @@ class KVCacheManager:
         seq = req.fleet_seq
         if seq is None:
             return 1
-        last, self._fleet_seq = self._fleet_seq, max(self._fleet_seq or 0, seq)
+        # the latest, not the largest: a restarted front end counts from 1 again, and two requests
+        # admitted out of their routing order tick one request too many, never a restart's worth
+        last, self._fleet_seq = self._fleet_seq, seq
         return seq - last if last is not None and seq > last else 1
 
     def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
