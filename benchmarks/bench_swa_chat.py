@@ -280,7 +280,9 @@ async def run_workload(url: str, sessions: list[Session], args) -> list[dict[str
     """Every session's turns, round-robin over sessions per turn, ``concurrency`` in flight."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    # retries: llama-server closes an idle keep-alive connection after a few seconds, and a request
+    # sent on it fails before the server reads it ("Server disconnected"); a retry then is safe
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=3600, max_retries=3)
     model = (await client.models.list()).data[0].id
     history = {s.sid: [{"role": "system", "content": s.system}] for s in sessions}
     done = {(s.sid, t): asyncio.Event() for s in sessions for t in range(args.turns)}
