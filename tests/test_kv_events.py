@@ -309,15 +309,17 @@ class OldKVEventBatch(OldEventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def _new_vllm_types():
-    """vLLM main (map-encoded events, lora_name required, more optional fields)."""
+def vllm_types(array_like: bool = False):
+    """vLLM main's event structs (vllm/distributed/kv_events.py), with the fields its hybrid KV
+    cache manager added: maps by default, ``array_like`` as vLLM had them up to 0.23."""
 
     class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
         events: list[Any]
         data_parallel_rank: int | None = None
 
-    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False,
+                       tag=True):
         pass
 
     class BlockStored(KVCacheEvent):
@@ -356,7 +358,7 @@ def test_vllm_event_types_decode_our_messages(tiny_model_dir, fmt):
     raw = ctx.socket(zmq.SUB)  # a plain vLLM-style subscriber: (topic, seq, payload)
     raw.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     raw.connect(pub.endpoint)
-    vllm_type = OldKVEventBatch if fmt == "array" else _new_vllm_types()
+    vllm_type = OldKVEventBatch if fmt == "array" else vllm_types()
     dec = msgspec.msgpack.Decoder(vllm_type)
     try:
         deadline = time.monotonic() + 10  # until the SUB connection is live (ZeroMQ's slow joiner)

@@ -20,6 +20,8 @@ from hotprefix.events.recorder import PoolEventRecorder
 from hotprefix.events.schema import event_types
 from hotprefix.router import Router
 
+from test_kv_events import vllm_types
+
 BS = 4
 NS = namespace_key("m", "t")
 WINDOWS = {1: 0, 2: 9, 3: 9}
@@ -182,46 +184,6 @@ def test_a_pool_of_one_group_sends_what_it_sent_before():
 ExternalBlockHash = bytes | int
 
 
-def _vllm_types(array_like: bool):
-    """vLLM's event structs (vllm/distributed/kv_events.py), with the fields its hybrid KV cache
-    manager added: ``array_like`` as vLLM had them up to 0.23, maps after its PR 42892."""
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False,
-                       tag=True):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[ExternalBlockHash]
-        parent_block_hash: ExternalBlockHash | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple[Any, ...] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[ExternalBlockHash]
-        medium: str | None
-        group_idx: int | None = None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return KVEventBatch
-
-
 class _OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -275,7 +237,7 @@ def _hybrid_traffic(fmt: str) -> tuple[KVCacheManager, list[bytes]]:
 @pytest.mark.parametrize("fmt", ["array", "map"])
 def test_vllm_event_types_decode_a_hybrid_pools_messages(fmt):
     m, payloads = _hybrid_traffic(fmt)
-    dec = msgspec.msgpack.Decoder(_vllm_types(array_like=fmt == "array"))
+    dec = msgspec.msgpack.Decoder(vllm_types(array_like=fmt == "array"))
     view = GroupView()
     kinds, groups = set(), set()
     for p in payloads:

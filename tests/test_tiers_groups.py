@@ -23,15 +23,8 @@ from hotprefix.cache.tiers.blob import BadSignature, CorruptEntry, decode_blob, 
 from hotprefix.cache.tiers.group_blob import decode_groups, encode_groups
 
 from model_support import save_random_model
+from test_hybrid_engine import BS, GEMMA3, WINDOW
 
-WINDOW = 40
-GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=32,
-              max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
-              initializer_range=0.1, num_hidden_layers=6, num_key_value_heads=1,
-              sliding_window=WINDOW, query_pre_attn_scalar=32, rope_parameters={
-                  "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-BS = 16
 N_TOKENS = 300
 N_BLOCKS = (N_TOKENS - 1) // BS  # cacheable blocks: 18
 WINDOW_BLOCKS = 3  # a hit at block n needs blocks n-3 .. n-1 of a window group (40 keys, 16 a block)

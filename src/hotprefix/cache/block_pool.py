@@ -210,15 +210,14 @@ class BlockPool:
         self.policy.on_removed(b)
         self.low[b.block_id] = b
 
-    def revive(self, b: KVBlock, kept: bool = True) -> None:
+    def revive(self, b: KVBlock) -> None:
         """Cached block ``b`` serves hits again (a request recomputed it, or keeps a window that
-        it is part of): back in the policy's order."""
+        it is part of): back in the policy's order, a window block as kept."""
         if b.key is None:
             return
         b.dead = False
-        if b.group:
-            b.kept = b.kept or kept
-        if b.ref_cnt == 0 and (not b.group or b.kept) and self.low.pop(b.block_id, None) is not None:
+        b.kept = b.kept or bool(b.group)
+        if b.ref_cnt == 0 and self.low.pop(b.block_id, None) is not None:
             self.policy.on_free(b)
 
     def pin(self, block: KVBlock, until: float) -> bool:
