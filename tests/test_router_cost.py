@@ -286,3 +286,44 @@ def test_a_prefix_in_a_shared_tier_is_everyones_and_spreads_by_work():
         picks = Counter(r.route_tokens(system + toks(rng, 4)).replica for _ in range(30))
         shares[tier] = picks["r0"]
     assert shares[True] < shares[False] and shares[True] <= 14
+
+
+def test_a_busy_fleet_copies_a_shared_prefix_whose_one_holder_every_request_queues_on():
+    """Chat sessions on one system prompt only r0 holds, arriving a little faster than one replica
+    serves them (each replica reports the work it has left): the fleet is busy, its utilization
+    high, so a second of prefill is worth many; but a replica the router is not sending to delays
+    nobody with a prefill. r1 copies the prompt and the sessions spread. (A weight derived from the
+    fleet's traffic alone priced r1's copy at the fleet's queue and sent every session to r0.)"""
+    rng = random.Random(9)
+    system = toks(rng, 40)  # 0.64 s of prefill saved on its holder
+    r = router(2)
+    hold(r, "r0", system)
+    left = {"r0": 0.0, "r1": 0.0}  # seconds of work each replica has
+    picks = []
+    for _ in range(40):  # one every 0.2 s, each decoding 5 tokens (0.25 s of work)
+        r.t[0] += 0.2
+        for name in left:
+            left[name] = max(0.0, left[name] - 0.2)
+            r.report(name, 0, left[name] / 0.05)
+        d = r.route_tokens(system + toks(rng, 4), decode_tokens=5)
+        left[d.replica] += d.prefill_tokens / 1000.0 + 0.25
+        picks.append(d.replica)
+    assert "r1" in picks[:15]
+    assert Counter(picks)["r1"] >= 12  # then both holders share the sessions by work
+
+
+def test_a_burst_at_one_instant_after_busy_traffic_spreads():
+    """24 sessions within 10 ms on a prompt one replica holds, after a minute of traffic to it:
+    the arrival rate measured over a burst is enormous, yet the other replica's queue is empty."""
+    rng = random.Random(10)
+    system = toks(rng, 40)
+    r = router(2)
+    hold(r, "r0", system)
+    for _ in range(10):
+        r.t[0] += 6.0
+        r.finished(r.route_tokens(system + toks(rng, 4), decode_tokens=20))
+    picks = []
+    for _ in range(24):
+        r.t[0] += 0.0004
+        picks.append(r.route_tokens(system + toks(rng, 4), decode_tokens=20).replica)
+    assert min(Counter(picks).values()) >= 8

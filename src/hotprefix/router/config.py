@@ -16,12 +16,14 @@ class RouterConfig:
     ``least_loaded`` (least queued and running work, in seconds)."""
     prefill_weight: float | None = None
     """``w`` in cost = the replica's work (s) + w x the seconds it needs to prefill this prompt
-    (the part it has not cached). None (the default) derives it at each decision from the fleet's
-    recent arrivals: w = 1 + the requests expected to queue behind this one there (arrival rate
-    per replica x the time until that replica's queue empties, (work + prefill) / (1 -
-    utilization)), since a second of prefill added to a queue delays each of them too. A quiet
-    fleet gets w = 1 (the request's own time to first token); a busy one values a cached prefix
-    more. A number fixes w."""
+    (the part it has not cached). None (the default) derives it at each decision for each
+    replica from the router's recent decisions: w = 1 + the requests expected to queue behind
+    this one *there* (the rate the router sends requests to that replica x the time until its
+    queue empties, (its work + this prefill) / (1 - its utilization)), since a second of prefill
+    added to a queue delays each of them too; blocks stranded on another replica get the fleet's
+    mean of the same. A quiet fleet gets w = 1 (the request's own time to first token); a busy
+    replica values a cached prefix more, and one the router is not sending to copies a prefix its
+    busy holder would serve late. A number fixes w (both weights)."""
     tier_weight: float = 0.25
     """A block the replica can load from a KV tier (its own, or a shared one) costs this fraction
     of prefilling it."""

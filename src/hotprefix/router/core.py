@@ -2,20 +2,26 @@
 
 For the ``prefix`` policy, each replica is priced in seconds:
 
-    cost = its work + w x (prefill time of what it has not cached + what it strands elsewhere)
-           + what the write evicts there
+    cost = its work + w x prefill time of what it has not cached
+           + W x prefill time of what it strands elsewhere + what the write evicts there
 
 work + prefill time is the request's expected time to first token there. w (``prefill_weight``;
-derived by default) is 1 + the requests expected to queue behind it: the fleet's arrival rate per
-replica x the time until the queues empty, (mean work + this prefill) / (1 - utilization), both
-measured over the router's recent decisions; a second of prefill delays each of them too. A quiet
-fleet has w = 1. Every block is priced at its own prefill time:
+derived by default) is 1 + the requests expected to queue behind it *there*: the rate at which
+the router has been sending requests to that replica x the time until its queue empties, (its
+work + this prefill) / (1 - its utilization), both measured over the router's last decisions for
+it (from the first of them, or of the fleet's last decisions if earlier, to now); a second of
+prefill added to its queue delays each of them too. A replica the router has not
+been sending to has w = 1 (its prefill delays nobody): so when every request queues on the one
+holder of a shared prefix, an idle replica copies it. W prices what the *fleet* loses (stranded
+blocks are computed again wherever the conversation goes next): the same formula over all the
+fleet's recent decisions, per replica (its mean arrival rate, mean work and utilization). A quiet
+fleet has w = W = 1. Every block is priced at its own prefill time:
 
   * stranded: sending a request away from the replica that holds its prefix leaves that
     replica's copy of the prompt's *private* blocks (those no other continuation reads:
-    ``branches``) dead in its pool: blocks the fleet computed and will compute again, so they
-    count like the prefill (x w). A shared prefix is not stranded (its copy keeps serving the
-    others): copying it elsewhere replicates it.
+    ``branches``) dead in its pool: blocks the fleet computed and will compute again (x W). A
+    shared prefix is not stranded (its copy keeps serving the others): copying it elsewhere
+    replicates it.
   * evicted: the blocks the prompt writes beyond the replica's empty ones, or beyond its share of
     the fleet's filled blocks (its pool's share of the fleet's pool), whichever is more (when the
     replicas report their pools): the fleet is one cache when its pools fill at the same pace, so
@@ -71,7 +77,8 @@ from hotprefix.router.memory import TtlMap
 EPS_S = 1e-9
 """Costs closer than this are equal (ties are drawn at random)."""
 RECENT = 64
-"""Decisions whose arrival times and work give the fleet's arrival rate and utilization."""
+"""Decisions whose arrival times and work give the fleet's arrival rate and utilization, and (as
+many again per replica) each replica's."""
 MAX_UTILIZATION = 0.99
 """Utilization estimates are capped here (a fleet measured at 100% would price work infinitely)."""
 
@@ -132,6 +139,8 @@ class Router:
         self.index.listeners.append(lambda r, k: self.memory.discard((k, r)))  # events win
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT)
         """(arrival time, seconds of work) of the last decisions."""
+        self._recent_at: dict[str, collections.deque[tuple[float, float]]] = {}
+        """Replica -> the same, of its last decisions."""
         self._rng = random.Random(self.config.seed)
         self._rr = itertools.count()
         for r in replicas:
@@ -148,6 +157,7 @@ class Router:
         if name in self.loads:
             self.replicas.remove(name)
             del self.loads[name]
+            self._recent_at.pop(name, None)
             self.index.forget(name, groups=True)
             self.memory.discard_if(lambda key, _: key[1] == name)
             self.affinity.discard_if(lambda _, r: r == name)
@@ -304,7 +314,9 @@ class Router:
         d.decode_tokens = self.expected_output(d.replica) if decode_tokens is None else decode_tokens
         now = self.clock()
         pre, dec = self.rates(d.replica)
-        self._recent.append((now, d.prefill_tokens / pre + d.decode_tokens * dec))
+        job = (now, d.prefill_tokens / pre + d.decode_tokens * dec)
+        self._recent.append(job)
+        self._recent_at.setdefault(d.replica, collections.deque(maxlen=RECENT)).append(job)
         d.pending = Pending(now, d.prefill_tokens, d.decode_tokens, d.prefill_tokens / self.block_size)
         self.loads[d.replica].add(d.pending)
         for k in keys:
@@ -327,16 +339,27 @@ class Router:
         tied = [r for r in candidates if costs[r] <= low + EPS_S]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def traffic(self) -> tuple[float, float]:
-        """(arrivals per second per replica, utilization) over the recent decisions; (0, 0)
-        before two decisions at different times."""
-        rec = self._recent
-        span = rec[-1][0] - rec[0][0] if len(rec) > 1 else 0.0
+    def traffic(self, replica: str | None = None) -> tuple[float, float]:
+        """(arrivals per second, utilization) per replica over the fleet's recent decisions (their
+        mean); of ``replica``: over the router's last decisions for it, from the first of them to
+        now. (0, 0) before two fleet decisions at different times, or before any for ``replica``."""
+        if replica is None:
+            rec = self._recent
+            span = rec[-1][0] - rec[0][0] if len(rec) > 1 else 0.0
+            if span <= 0:
+                return 0.0, 0.0
+            n = len(self.replicas)
+            work = sum(w for _, w in list(rec)[1:])
+            return (len(rec) - 1) / span / n, min(MAX_UTILIZATION, work / span / n)
+        mine = self._recent_at.get(replica)
+        if not mine:
+            return 0.0, 0.0
+        # from the first of its last decisions, or of the fleet's if that is earlier: a replica
+        # that has just begun to be sent requests has not a rate of one per few milliseconds
+        span = self.clock() - min(mine[0][0], self._recent[0][0])
         if span <= 0:
             return 0.0, 0.0
-        n = len(self.replicas)
-        work = sum(w for _, w in list(rec)[1:])
-        return (len(rec) - 1) / span / n, min(MAX_UTILIZATION, work / span / n)
+        return len(mine) / span, min(MAX_UTILIZATION, sum(w for _, w in mine) / span)
 
     def _route_prefix(self, keys: Sequence[BlockKey], num_tokens: int,
                       prompt_cache_key: str | None, all_keys: Sequence[BlockKey]) -> Decision:
@@ -346,7 +369,8 @@ class Router:
         memory = self.memory
         runs = self.index.runs(keys, self.replicas, lambda r, k: memory.get((k, r), now) is not None)
         scored: dict[str, Decision] = {}
-        lam, rho = self.traffic() if cfg.prefill_weight is None else (0.0, 0.0)
+        derive = cfg.prefill_weight is None
+        lam, rho = self.traffic() if derive else (0.0, 0.0)
         mean_wait = sum(self.work_s(r) for r in self.replicas) / len(self.replicas)
         holder = max(self.replicas, key=lambda r: runs[r][0])
         held = runs[holder][0]
@@ -361,12 +385,18 @@ class Router:
             compute = max(1, num_tokens - (pool + tier) * bs)
             prefill_s = (compute + cfg.tier_weight * tier * bs) / pre
             wait = self.work_s(r)
-            # a second of prefill added here also delays the requests that queue behind it: the
-            # fleet's next arrivals (spread over the replicas) until the queues empty
-            w = (1 + lam * (mean_wait + prefill_s) / (1 - rho) if cfg.prefill_weight is None
-                 else cfg.prefill_weight)
+            # a second of prefill added here also delays the requests that queue behind it: those
+            # the router goes on sending here until this replica's queue empties; a block
+            # stranded is computed again by the fleet, behind the fleet's mean queue
+            if derive:
+                lam_r, rho_r = self.traffic(r)
+                w = 1 + lam_r * (wait + prefill_s) / (1 - rho_r)
+                w_fleet = 1 + lam * (mean_wait + prefill_s) / (1 - rho)
+            else:
+                w = w_fleet = cfg.prefill_weight  # type: ignore[assignment]
             scored[r] = Decision(r, "prefix", pool, tier, compute,
-                                 cost=wait + w * (prefill_s + strand_s) + self.eviction_s(r, compute),
+                                 cost=(wait + w * prefill_s + w_fleet * strand_s
+                                       + self.eviction_s(r, compute)),
                                  ttft_s=wait + prefill_s)
         best = self._least(self.replicas, lambda r: scored[r].cost)
         if prompt_cache_key is not None:
