@@ -6,7 +6,7 @@ What the hybrid pool sees in ``bench_swa_chat.py`` (issue 28): ``--sessions`` (1
 (4) turns in flight, a session's next turn after its previous one, a pool of ``--pool-sessions``
 sessions' full K/V sized as bench_swa_chat sizes ``--num-blocks``. Each prompt is the session's
 messages rendered through ``gemma_chat_template.jinja``; the server's message ends
-(``server/message_ends.cut_points``, tokenized the same way) are its ``hit_point_tokens``; the
+(``server/message_ends.message_ends`` itself) are its ``hit_point_tokens``; the
 requests run through ``engine.Scheduler`` over a ``KVCacheManager`` built as the engine builds it
 (``CacheConfig``'s policy and ghost list, ``SchedulerConfig``'s token budget), one step at a time,
 a new turn sent as soon as a worker is free. The one thing not real: the replies. The model's
@@ -29,6 +29,7 @@ sessions need against the pool: where the hybrid pool's working set stops fittin
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import json
 import math
@@ -36,6 +37,7 @@ import os
 import random
 import statistics
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +53,7 @@ from hotprefix.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hotprefix.engine.request import Request  # noqa: E402
 from hotprefix.engine.scheduler import Scheduler  # noqa: E402
 from hotprefix.sampling import SamplingParams  # noqa: E402
-from hotprefix.server.message_ends import cut_points  # noqa: E402
-from hotprefix.textutil import common_prefix_len  # noqa: E402
+from hotprefix.server.message_ends import message_ends as server_message_ends  # noqa: E402
 
 
 def reply_ids(tok, session: int, turn: int, n: int) -> list[int]:
@@ -62,13 +63,12 @@ def reply_ids(tok, session: int, turn: int, n: int) -> list[int]:
 
 
 def message_ends(tok, msgs: list[dict[str, str]], ids: list[int]) -> tuple[int, ...]:
-    """``server/message_ends.message_ends`` without the server: the same cuts, the same rule."""
-    ends = set()
-    for cut in cut_points(msgs):
-        end = common_prefix_len(ids, tok.encode_chat(msgs[:cut], False, None))
-        if 0 < end < len(ids):
-            ends.add(end)
-    return tuple(sorted(ends))
+    """``server/message_ends.message_ends`` itself, its tokenizer calls made here (no executor)."""
+    async def encode(fn, *args):
+        return fn(*args)
+
+    state = SimpleNamespace(marks_message_ends=True, tokenizer=tok, encode=encode)
+    return asyncio.run(server_message_ends(state, msgs, ids))
 
 
 def manager(pages: int, layout, bs: int) -> KVCacheManager:
