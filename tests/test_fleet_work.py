@@ -63,8 +63,10 @@ def test_rates_come_from_the_engines_steps_and_the_report_counts_work_left():
     prefilling = Req(2000, 800)
     short = Req(10, 12, 2, SimpleNamespace(max_tokens=5))  # 3 tokens left of its max_tokens
     long = Req(10, 20, 10)  # expected 40 in all: 30 left
+    long.fleet_seq, prefilling.fleet_seq = 17, 9  # the front end's numbers (others unnumbered)
     engine.scheduler = SimpleNamespace(running=[prefilling, short, long], waiting=[Req(500)])
     rep = meter.report(engine)
+    assert rep["fleet_seqs"] == [9, 17]  # which of the router's requests this report counts
     assert rep["prefill_tokens"] == 1200 + 500
     assert rep["decode_tokens"] == 40 + 3 + 30 + 40
     assert (rep["running"], rep["waiting"]) == (3, 1)

@@ -327,3 +327,36 @@ def test_a_burst_at_one_instant_after_busy_traffic_spreads():
         r.t[0] += 0.0004
         picks.append(r.route_tokens(system + toks(rng, 4), decode_tokens=20).replica)
     assert min(Counter(picks).values()) >= 8
+
+
+def test_a_report_keeps_counting_the_requests_still_on_their_way():
+    """Requests the front end numbered (``fleet_seq``) and the router sent to r0 reach its
+    scheduler some time later (Ray Serve's queue, the replica's own tokenization). A report
+    sampled meanwhile names the numbers its scheduler holds: the ones it does not name stay
+    counted, so a burst does not land on the replica whose report went out first. A report
+    that names none (no fleet clock) counts everything routed before it, as before."""
+    rng = random.Random(12)
+    r = router(2)
+    sent = [r.route_tokens(toks(rng, 8), tag=seq) for seq in (1, 2, 3)]
+    assert [d.replica for d in sent].count("r0") >= 1
+    on_r0 = [d for d in sent if d.replica == "r0"]
+    per_request = r.work_s("r0") / len(on_r0)
+    r.t[0] += 0.01
+    held = on_r0[0].pending.tag
+    r.report("r0", 8 * BS, 0, fleet_seqs=[held])  # only the first has arrived
+    assert r.work_s("r0") == pytest.approx(len(on_r0) * per_request)  # the others still count
+    r.report("r0", 8 * BS * len(on_r0), 0, fleet_seqs=[d.pending.tag for d in on_r0])
+    assert r.work_s("r0") == pytest.approx(len(on_r0) * per_request)  # each counted once
+    r.route_tokens(toks(rng, 8))  # an unnumbered request: the time rule
+    late = r.route_tokens(toks(rng, 8), tag=4)
+    r.t[0] += 0.01
+    for name in r.replicas:  # r0's earlier report named its numbered ones: its tokens hold them
+        r.report(name, 0, 0, fleet_seqs=[])
+    expected = {name: 0.0 for name in r.replicas}  # left: number 4, and those r1 never named
+    for d in [x for x in sent if x.replica == "r1"] + [late]:
+        expected[d.replica] += per_request
+    for name in r.replicas:
+        assert r.work_s(name) == pytest.approx(expected[name])
+    for d in sent + [late]:  # until they end
+        r.finished(d)
+    assert r.work_s("r0") == 0.0 and r.work_s("r1") == 0.0

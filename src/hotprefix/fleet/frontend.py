@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -296,7 +297,10 @@ class Frontend:
                 keys = None
             if keys is not None:
                 hint = await asyncio.to_thread(keys.hint, request.url.path, dict(request.headers), body)
+        numbered = self.num_numbered
         headers = self._number(request.method, request.url.path, headers)  # as it is routed
+        if self.num_numbered != numbered:
+            hint = dataclasses.replace(hint, fleet_seq=self.num_numbered)
         try:
             reply = await self._send(request.method, request.url.path, request.url.query,
                                      headers, body, hint)

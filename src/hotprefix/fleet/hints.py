@@ -41,6 +41,10 @@ class RouteHint:
     """Prompt tokens."""
     prompt_cache_key: str | None = None
     """OpenAI's ``prompt_cache_key`` (an affinity key), scoped to the tenant."""
+    fleet_seq: int | None = None
+    """The front end's number for the request (``x-hotprefix-fleet-seq``), when it numbers them:
+    the replica reports the numbers its scheduler holds, so the router knows which of the requests
+    it sent there a report already counts."""
 
 
 class PromptKeys:

@@ -97,7 +97,8 @@ class HotprefixRequestRouter(RequestRouter):
                                  float(stats.get("decode_tokens", 0)), stats.get("prefill_tok_s"),
                                  stats.get("decode_token_s"), stats.get("output_tokens"),
                                  stats.get("sampled_at"), stats.get("empty_blocks"),
-                                 stats.get("hit_ratio"), stats.get("pool_blocks"))
+                                 stats.get("hit_ratio"), stats.get("pool_blocks"),
+                                 stats.get("fleet_seqs"))
             endpoint = stats.get("kv_events")
             if endpoint and self._events_at.get(name) != endpoint and self.policy == "prefix":
                 if self.feed is None:
@@ -123,7 +124,8 @@ class HotprefixRequestRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
         d = self.decisions.get(rid) if rid is not None else None
         if d is None or d.replica not in by_name:
-            d = self.core.route(list(hint.keys), max(1, hint.num_tokens), hint.prompt_cache_key)
+            d = self.core.route(list(hint.keys), max(1, hint.num_tokens), hint.prompt_cache_key,
+                                tag=hint.fleet_seq)
             self.num_decisions[d.reason] += 1
             if rid is not None:
                 if len(self.decisions) >= MAX_OPEN_DECISIONS:  # completions lost: drop the oldest

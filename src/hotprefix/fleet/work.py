@@ -10,7 +10,8 @@ the scheduled chunks) and keeps exponentially weighted means of
     the engine's ``on_step`` outputs).
 
 ``report(engine)`` (call it on the engine's thread) reads the scheduler and the pool (its empty
-blocks and its size): prompt tokens still to
+blocks and its size): the fleet numbers of the requests it holds (so the router knows which of
+the requests it sent are counted here), prompt tokens still to
 prefill over the running and waiting requests, and decode tokens left: per request, what its
 ``max_tokens`` leaves, but no more than the mean output less what it has produced (at least one).
 The router prices a replica by that work at those rates (``hotprefix.router.load``).
@@ -89,7 +90,9 @@ class StepMeter:
             out = r.num_output_tokens
             left = max(1, r.params.max_tokens - out)
             decode += left if mean_out is None else min(left, max(1.0, mean_out - out))
-        return {"prefill_tokens": prefill, "decode_tokens": round(decode, 1),
+        seqs = sorted({r.fleet_seq for r in list(sched.running) + list(sched.waiting)
+                       if getattr(r, "fleet_seq", None) is not None})
+        return {"prefill_tokens": prefill, "decode_tokens": round(decode, 1), "fleet_seqs": seqs,
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "prefill_tok_s": self.prefill_tok_s, "decode_token_s": self.decode_token_s,
                 "output_tokens": mean_out, "hit_ratio": self.hit_ratio,

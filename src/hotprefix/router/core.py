@@ -171,18 +171,20 @@ class Router:
                prefill_tok_s: float | None = None, decode_token_s: float | None = None,
                output_tokens: float | None = None, sampled_at: float | None = None,
                empty_blocks: float | None = None, hit_ratio: float | None = None,
-               pool_blocks: float | None = None) -> None:
+               pool_blocks: float | None = None, fleet_seqs: Sequence[int] | None = None) -> None:
         """A replica's report: prompt tokens still to prefill and decode tokens left over its
         running and waiting requests, its measured rates (None: unchanged), the mean output of
         its requests; ``sampled_at`` (router clock, default now): when the replica measured it
         (what was routed there before is in it); ``empty_blocks``, ``hit_ratio``, ``pool_blocks``:
         its pool's empty blocks, the share of its prompt tokens it served from cache, and its pool's
-        size in blocks."""
+        size in blocks; ``fleet_seqs``: the tags (fleet numbers) of the requests its scheduler holds
+        (then a tagged request routed there before ``sampled_at`` but not named is still on its
+        way, and stays counted)."""
         if replica in self.loads:
             self.loads[replica].report(prefill_tokens, decode_tokens,
                                        self.clock() if sampled_at is None else sampled_at,
                                        prefill_tok_s, decode_token_s, output_tokens,
-                                       empty_blocks, hit_ratio, pool_blocks)
+                                       empty_blocks, hit_ratio, pool_blocks, fleet_seqs)
 
     def set_load(self, replica: str, tokens: float) -> None:
         """A report of ``tokens`` still to prefill and nothing to decode (rates unchanged)."""
@@ -199,10 +201,11 @@ class Router:
         """The request went to ``replica`` instead (a later rank): move its counted work."""
         if replica not in self.loads or replica == decision.replica:
             return
+        tag = decision.pending.tag if decision.pending is not None else None
         self.finished(decision)
         decision.replica = replica
         decision.pending = Pending(self.clock(), decision.prefill_tokens, decision.decode_tokens,
-                                   decision.prefill_tokens / self.block_size)
+                                   decision.prefill_tokens / self.block_size, tag)
         self.loads[replica].add(decision.pending)
 
     # ------------------------------------------------------------------ time
@@ -282,20 +285,22 @@ class Router:
     # ------------------------------------------------------------------ routing
     def route_tokens(self, token_ids: Sequence[int], salt: str | None = None,
                      salt_from_block: int = 0, prompt_cache_key: str | None = None,
-                     decode_tokens: float | None = None) -> Decision:
+                     decode_tokens: float | None = None, tag: int | None = None) -> Decision:
         """Route a prompt given as token ids (keys computed as the replicas compute them)."""
         if self.hasher is None:
             raise ValueError("route_tokens needs the router's BlockHasher (the replicas' namespace)")
         n = len(token_ids) // self.block_size
         keys = self.hasher.keys(token_ids[:n * self.block_size], salt, salt_from_block)
-        return self.route(keys, len(token_ids), prompt_cache_key, decode_tokens)
+        return self.route(keys, len(token_ids), prompt_cache_key, decode_tokens, tag)
 
     def route(self, keys: Sequence[BlockKey], num_tokens: int,
-              prompt_cache_key: str | None = None, decode_tokens: float | None = None) -> Decision:
+              prompt_cache_key: str | None = None, decode_tokens: float | None = None,
+              tag: int | None = None) -> Decision:
         """Pick a replica for a prompt of ``num_tokens`` tokens whose full blocks have ``keys``,
         remember the decision (the replica will cache every one of those blocks), and count its
         work on that replica at once. Only blocks a replica may serve from cache count (never the
-        last prompt token's). ``decode_tokens``: the output expected (None: the replicas' mean).
+        last prompt token's). ``decode_tokens``: the output expected (None: the replicas' mean);
+        ``tag``: the request's fleet number, which the replica's reports name once it holds it.
 
         Raises:
             RuntimeError: no replica.
@@ -317,7 +322,8 @@ class Router:
         job = (now, d.prefill_tokens / pre + d.decode_tokens * dec)
         self._recent.append(job)
         self._recent_at.setdefault(d.replica, collections.deque(maxlen=RECENT)).append(job)
-        d.pending = Pending(now, d.prefill_tokens, d.decode_tokens, d.prefill_tokens / self.block_size)
+        d.pending = Pending(now, d.prefill_tokens, d.decode_tokens, d.prefill_tokens / self.block_size,
+                            tag)
         self.loads[d.replica].add(d.pending)
         for k in keys:
             self.memory.set((k, d.replica), True, now)

@@ -20,6 +20,7 @@ Knows nothing about blocks or policies. Imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Pending:
     decode_tokens: float
     blocks: float = 0.0
     """Blocks it writes into the replica's pool."""
+    tag: int | None = None
+    """The request's fleet number, where the front end numbers requests (``fleet_seq``): a
+    report that names the numbers its scheduler holds counts exactly those."""
 
 
 @dataclass
@@ -61,8 +65,12 @@ class ReplicaLoad:
     def report(self, prefill_tokens: float, decode_tokens: float, sampled_at: float,
                prefill_tok_s: float | None = None, decode_token_s: float | None = None,
                output_tokens: float | None = None, empty_blocks: float | None = None,
-               hit_ratio: float | None = None, pool_blocks: float | None = None) -> None:
-        """A new report: it already counts what was routed here before ``sampled_at``."""
+               hit_ratio: float | None = None, pool_blocks: float | None = None,
+               tags: Iterable[int] | None = None) -> None:
+        """A new report: it already counts what was routed here before ``sampled_at``, except,
+        where it names the fleet numbers its scheduler holds (``tags``), a numbered request it does
+        not name (still on its way: in Ray Serve's queue, or being tokenized by the replica). A
+        numbered request that finished is taken back by ``take_back``."""
         self.prefill_tokens = max(0.0, float(prefill_tokens))
         self.decode_tokens = max(0.0, float(decode_tokens))
         if prefill_tok_s is not None and prefill_tok_s > 0:
@@ -78,7 +86,9 @@ class ReplicaLoad:
         if pool_blocks is not None and pool_blocks > 0:
             self.pool_blocks = float(pool_blocks)
         self.sampled_at = sampled_at
-        self.pending = [p for p in self.pending if p.at > sampled_at]
+        held = None if tags is None else set(tags)
+        self.pending = [p for p in self.pending
+                        if (p.at > sampled_at if held is None or p.tag is None else p.tag not in held)]
 
     def add(self, p: Pending) -> None:
         self.pending.append(p)
