@@ -350,22 +350,17 @@ class Router:
         mean); of ``replica``: over the router's last decisions for it, from the first of them to
         now. (0, 0) before two fleet decisions at different times, or before any for ``replica``."""
         if replica is None:
-            rec = self._recent
-            span = rec[-1][0] - rec[0][0] if len(rec) > 1 else 0.0
-            if span <= 0:
-                return 0.0, 0.0
-            n = len(self.replicas)
-            work = sum(w for _, w in list(rec)[1:])
-            return (len(rec) - 1) / span / n, min(MAX_UTILIZATION, work / span / n)
-        mine = self._recent_at.get(replica)
-        if not mine:
-            return 0.0, 0.0
-        # from the first of its last decisions, or of the fleet's if that is earlier: a replica
-        # that has just begun to be sent requests has not a rate of one per few milliseconds
-        span = self.clock() - min(mine[0][0], self._recent[0][0])
+            jobs = list(self._recent)
+            span = jobs[-1][0] - jobs[0][0] if len(jobs) > 1 else 0.0
+            jobs, n = jobs[1:], len(self.replicas)
+        else:
+            jobs, n = list(self._recent_at.get(replica, ())), 1
+            # from the first of its last decisions, or of the fleet's if that is earlier: a replica
+            # that has just begun to be sent requests has not a rate of one per few milliseconds
+            span = self.clock() - min(jobs[0][0], self._recent[0][0]) if jobs else 0.0
         if span <= 0:
             return 0.0, 0.0
-        return len(mine) / span, min(MAX_UTILIZATION, sum(w for _, w in mine) / span)
+        return len(jobs) / span / n, min(MAX_UTILIZATION, sum(w for _, w in jobs) / span / n)
 
     def _route_prefix(self, keys: Sequence[BlockKey], num_tokens: int,
                       prompt_cache_key: str | None, all_keys: Sequence[BlockKey]) -> Decision:
@@ -377,7 +372,8 @@ class Router:
         scored: dict[str, Decision] = {}
         derive = cfg.prefill_weight is None
         lam, rho = self.traffic() if derive else (0.0, 0.0)
-        mean_wait = sum(self.work_s(r) for r in self.replicas) / len(self.replicas)
+        waits = {r: self.work_s(r) for r in self.replicas}
+        mean_wait = sum(waits.values()) / len(waits)
         holder = max(self.replicas, key=lambda r: runs[r][0])
         held = runs[holder][0]
         # the holder's copy of the prompt's private blocks (no other continuation reads them) is
@@ -390,7 +386,7 @@ class Router:
             strand_s = max(0, held - max(pool, private)) * strand_block_s
             compute = max(1, num_tokens - (pool + tier) * bs)
             prefill_s = (compute + cfg.tier_weight * tier * bs) / pre
-            wait = self.work_s(r)
+            wait = waits[r]
             # a second of prefill added here also delays the requests that queue behind it: those
             # the router goes on sending here until this replica's queue empties; a block
             # stranded is computed again by the fleet, behind the fleet's mean queue
