@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import ClassVar
 
 from hotprefix.cache.block import KVBlock
@@ -156,6 +156,17 @@ class FreqCreditPolicy(EvictionPolicy):
     """Reuse-gap samples after which older samples weigh half (the window follows the workload)."""
     window_update_every: ClassVar[int] = 256
     """Reuse-gap samples between two recomputations of the credit window (none before the first)."""
+    loop_horizon_mult: ClassVar[float] = 4.0
+    """``_looping``: an evicted key that has not come back within this many mean return delays
+    counts as not come back."""
+    loop_memory_mult: ClassVar[int] = 4
+    """Outcomes, as a multiple of the pool's block count, after which they weigh half."""
+    loop_min_outcomes: ClassVar[int] = 16
+    """Outcomes of blocks evicted fresh needed before the verdict can be 'cycling'."""
+    loop_fresh_return: ClassVar[float] = 0.75
+    """Fraction of blocks evicted fresh that must come back for 'cycling'..."""
+    loop_return_ratio: ClassVar[float] = 0.9
+    """... and at least this fraction of the rate of blocks evicted on probation."""
     _GAP_BUCKETS_PER_OCTAVE: ClassVar[int] = 8
     _GAP_BUCKETS: ClassVar[int] = 8 * 40
 
@@ -173,6 +184,11 @@ class FreqCreditPolicy(EvictionPolicy):
         self._by_age: OrderedDict[int, None] = OrderedDict()  # evictable, priority <= 0, free order
         self._gap_hist = [0.0] * self._GAP_BUCKETS
         self._gap_samples = 0
+        self._probation = [False] * num_blocks  # recomputed after an eviction, not hit since
+        self._evictions = 0
+        self._pending: deque[tuple[int, int, bytes]] = deque()  # (t_evict, number, key), by age
+        self._outcome = [[0.0, 0.0], [0.0, 0.0]]  # class -> [came back, did not] (decayed)
+        self._delay = 0.0  # moving mean of the requests from an eviction to the key's return
         self.credit_window = math.inf
         """Requests of idleness after which a block's credit no longer protects it (learned)."""
 
@@ -203,14 +219,53 @@ class FreqCreditPolicy(EvictionPolicy):
 
     def on_cached(self, block: KVBlock) -> None:
         bid = block.block_id
-        count, t_free = self._history.pop(block.key, (0, -1))
+        count, t_free, t_evict, _, cls = self._history.pop(block.key, (0, -1, -1, -1, -1))
         if t_free >= 0:
             self._observe_gap(self.now - t_free)
+            if cls >= 0:  # within the horizon
+                d = self.now - t_evict
+                self._delay = 0.9 * self._delay + 0.1 * d if self._delay else float(max(1, d))
+                self._tally(cls, 0)
         self._count[bid] = count + 1
         self._last[bid] = self.now
+        self._probation[bid] = t_free >= 0
+
+    def _tally(self, cls: int, outcome: int) -> None:
+        o = self._outcome
+        o[cls][outcome] += 1.0
+        if sum(o[0]) + sum(o[1]) > self.loop_memory_mult * self.num_blocks:
+            self._outcome = [[x * 0.5 for x in row] for row in o]
+
+    def _expire(self) -> None:
+        """Evicted keys that have stayed away ``loop_horizon_mult`` times the mean return delay
+        count as not come back."""
+        horizon = self.loop_horizon_mult * self._delay
+        while self._pending and self._delay and self.now - self._pending[0][0] > horizon:
+            _, n_ev, key = self._pending.popleft()
+            rec = self._history.get(key)
+            if rec is not None and rec[3] == n_ev and rec[4] >= 0:
+                self._tally(rec[4], 1)
+                self._history[key] = rec[:4] + (-1,)
+
+    def _looping(self) -> bool:
+        """Whether blocks evicted before any hit come back (within ``loop_horizon_mult`` mean
+        return delays) about as often as blocks evicted on probation (recomputed after an
+        eviction, not hit since), and most of them do: the pool cycles through a working set
+        larger than itself (chat sessions taking turns), and LRU order evicts each before it
+        returns. There a recomputed block is evicted before the blocks that are hitting, which
+        then keep hitting. Where blocks evicted fresh mostly do not come back (one-off documents)
+        and recomputed ones do, a recomputed block keeps its count's credit (ARC's lesson: the
+        ghosts decide)."""
+        (f_back, f_not), (r_back, r_not) = self._outcome
+        if f_back + f_not < self.loop_min_outcomes:
+            return False
+        fresh = f_back / (f_back + f_not)
+        recomputed = (r_back + 1.0) / (r_back + r_not + 1.0)
+        return fresh >= max(self.loop_fresh_return, self.loop_return_ratio * recomputed)
 
     def on_hit(self, block: KVBlock) -> None:
         bid = block.block_id
+        self._probation[bid] = False
         if self._last[bid] != self.now:
             self._count[bid] += 1
             self._last[bid] = self.now
@@ -223,8 +278,11 @@ class FreqCreditPolicy(EvictionPolicy):
         if block.priority <= 0:
             self._by_age[bid] = None
         credit = self.credit_requests * (math.log2(self._count[bid] or 1) + block.priority)
+        lead = 1
+        if self._probation[bid] and block.priority <= 0 and self._looping():
+            lead = 0
         self._seq += 1
-        self._heap.push(bid, (self.now + credit, -block.depth, self._seq))
+        self._heap.push(bid, (lead, self.now + credit, -block.depth, self._seq))
 
     def _leave(self, bid: int) -> None:
         """The block leaves the evictable set (its heap entry goes stale)."""
@@ -247,8 +305,14 @@ class FreqCreditPolicy(EvictionPolicy):
         block = self._block[bid]
         assert block is not None
         self._leave(bid)
+        self._evictions += 1
+        cls = 1 if self._probation[bid] else 0 if self._count[bid] <= 1 else -1
         if self._history_size and block.key is not None:
-            self._history[block.key] = (self._count[bid], self._t_free[bid])
+            self._history[block.key] = (self._count[bid], self._t_free[bid], self.now,
+                                        self._evictions, cls)
+            if cls >= 0:
+                self._pending.append((self.now, self._evictions, block.key))
+            self._expire()
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
         return block
