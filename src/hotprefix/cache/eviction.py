@@ -143,6 +143,9 @@ class FreqCreditPolicy(EvictionPolicy):
       oldest such block is evicted first, whatever its credit (blocks with a retention priority
       above 0 excepted). In a small pool the victims are young and the credit decides; in a large
       one the policy turns into LRU, where a frequency credit only keeps dead prefixes.
+    * Cycles larger than the pool (``_looping``): where blocks evicted fresh come back as often as
+      recomputed ones, a block recomputed after an eviction is evicted first until it is hit, so
+      the sessions that fit keep hitting instead of each being evicted just before it returns.
     """
 
     name = "freq"
