@@ -46,19 +46,19 @@ def test_a_cycle_larger_than_the_pool_keeps_the_sessions_that_fit():
     """12 sessions in turn through a pool of 7.5 sessions' blocks: LRU order (and freq before
     the cycle verdict) evicts each session just before it returns and hits nothing; freq sees that
     evicted blocks come back, evicts the recomputed sessions first, and the rest keep hitting."""
-    sessions, rounds, per = 12, 8, 4 * BS
-    prompts = [session_prompt(s) for _ in range(rounds) for s in range(sessions)]
-    later = slice(3 * sessions, None)
-    lru, _ = run("lru", prompts, 30)
-    old, _ = run(NeverCycling, prompts, 30)
-    new, pool = run(FreqCreditPolicy, prompts, 30)
+    sessions, rounds, per = 12, 12, 8 * BS
+    prompts = [session_prompt(s, 8) for _ in range(rounds) for s in range(sessions)]
+    later = slice(6 * sessions, None)
+    lru, _ = run("lru", prompts, 60)
+    old, _ = run(NeverCycling, prompts, 60)
+    new, pool = run(FreqCreditPolicy, prompts, 60)
     assert sum(lru[later]) == sum(old[later]) == 0
     assert pool.policy._looping()
     ratio = sum(new[later]) / (per * len(new[later]))
     assert ratio >= 0.4  # 7 of 12 sessions fit: the ideal is 0.58
     # the same sessions hit round after round: a stable set, not a rotation
-    by_session = [sum(new[k * sessions + s] for k in range(4, rounds)) for s in range(sessions)]
-    assert sum(1 for h in by_session if h == per * (rounds - 4)) >= 4
+    by_session = [sum(new[k * sessions + s] for k in range(6, rounds)) for s in range(sessions)]
+    assert sum(1 for h in by_session if h == per * (rounds - 6)) >= 4
 
 
 class AlwaysCycling(FreqCreditPolicy):

@@ -163,10 +163,10 @@ class FreqCreditPolicy(EvictionPolicy):
     """``_looping``: an evicted key that has not come back within this many mean return delays
     counts as not come back."""
     loop_memory_mult: ClassVar[int] = 4
-    """Outcomes, as a multiple of the pool's block count, after which they weigh half."""
-    loop_min_outcomes: ClassVar[int] = 16
+    """Outcomes of one class, as a multiple of the pool's block count, after which they weigh half."""
+    loop_min_outcomes: ClassVar[int] = 64
     """Outcomes of blocks evicted fresh needed before the verdict can be 'cycling'."""
-    loop_fresh_return: ClassVar[float] = 0.75
+    loop_fresh_return: ClassVar[float] = 0.85
     """Fraction of blocks evicted fresh that must come back for 'cycling'..."""
     loop_return_ratio: ClassVar[float] = 0.9
     """... and at least this fraction of the rate of blocks evicted on probation."""
@@ -234,10 +234,11 @@ class FreqCreditPolicy(EvictionPolicy):
         self._probation[bid] = t_free >= 0
 
     def _tally(self, cls: int, outcome: int) -> None:
-        o = self._outcome
-        o[cls][outcome] += 1.0
-        if sum(o[0]) + sum(o[1]) > self.loop_memory_mult * self.num_blocks:
-            self._outcome = [[x * 0.5 for x in row] for row in o]
+        row = self._outcome[cls]  # each class ages by its own outcomes: once the pool keeps a
+        row[outcome] += 1.0       # stable set, only recomputed blocks are evicted, and the verdict
+        if row[0] + row[1] > self.loop_memory_mult * self.num_blocks:  # must not fade with them
+            row[0] *= 0.5
+            row[1] *= 0.5
 
     def _expire(self) -> None:
         """Evicted keys that have stayed away ``loop_horizon_mult`` times the mean return delay
