@@ -282,9 +282,7 @@ class FreqCreditPolicy(EvictionPolicy):
         if block.priority <= 0:
             self._by_age[bid] = None
         credit = self.credit_requests * (math.log2(self._count[bid] or 1) + block.priority)
-        lead = 1
-        if self._probation[bid] and block.priority <= 0 and self._looping():
-            lead = 0
+        lead = 0 if self._probation[bid] and block.priority <= 0 and self._looping() else 1
         self._seq += 1
         self._heap.push(bid, (lead, self.now + credit, -block.depth, self._seq))
 
@@ -316,6 +314,8 @@ class FreqCreditPolicy(EvictionPolicy):
                                         self._evictions, cls)
             if cls >= 0:
                 self._pending.append((self.now, self._evictions, block.key))
+                if len(self._pending) > self._history_size:  # older than every record: nothing
+                    self._pending.popleft()                    # to tally (bounded before a return)
             self._expire()
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
