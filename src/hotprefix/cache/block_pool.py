@@ -65,6 +65,10 @@ class BlockPool:
         self.pinned: dict[int, KVBlock] = {}  # free-and-cached blocks held back by a pin
         self.low: OrderedDict[int, KVBlock] = OrderedDict()
         """Free cached interior window blocks, least recently freed first: evicted first."""
+        self.given_up: set[int] = set()
+        """Blocks in ``low`` that the policy's order held until an eviction's cascade demoted them
+        (``demote(evicted=True)``): when they lose their key the policy hears of it
+        (``on_dropped``), as of its own victims, so its memory of evicted keys holds them."""
         self.max_pinned = int(num_blocks * max_pinned_fraction)
         self.num_pinned_blocks = 0  # cached blocks (any refcount) with an active pin
         self._pin_expiry = LazyHeap(num_blocks)  # block id -> pinned_until, for blocks with a pin
@@ -114,6 +118,8 @@ class BlockPool:
                     del self.pinned[b.block_id]
                 elif self.low.pop(b.block_id, None) is None:
                     self.policy.on_use(b)
+                else:
+                    self.given_up.discard(b.block_id)
                 self.num_in_use += 1
             b.dead = False  # a hit uses it: alive again
             b.ref_cnt += 1
@@ -138,6 +144,9 @@ class BlockPool:
                 b = self.blocks[self.empty.popleft()]
             elif self.low:
                 b = self.low.popitem(last=False)[1]
+                if b.block_id in self.given_up:
+                    self.given_up.discard(b.block_id)
+                    self.policy.on_dropped(b)
                 self._uncache(b, evicted=True)
                 self.num_evictions += 1
                 self.eviction_times.append(now)
@@ -199,9 +208,11 @@ class BlockPool:
             listener.on_stored(block)
         return True
 
-    def demote(self, b: KVBlock) -> None:
+    def demote(self, b: KVBlock, evicted: bool = False) -> None:
         """No hit can use cached block ``b`` any more: evict it before anything else (``low``). A
-        block in use is marked and goes there when freed; a pinned one keeps its pin."""
+        block in use is marked and goes there when freed; a pinned one keeps its pin.
+        ``evicted``: the policy's eviction of another block took its purpose (``window_keep``'s
+        cascade), so it counts as evicted by the policy (``given_up``)."""
         if b.key is None:
             return
         b.dead, b.kept = True, False
@@ -209,6 +220,8 @@ class BlockPool:
             return
         self.policy.on_removed(b)
         self.low[b.block_id] = b
+        if evicted:
+            self.given_up.add(b.block_id)
 
     def revive(self, b: KVBlock) -> None:
         """Cached block ``b`` serves hits again (a request recomputed it, or keeps a window that
@@ -218,6 +231,7 @@ class BlockPool:
         b.dead = False
         b.kept = b.kept or bool(b.group)
         if b.ref_cnt == 0 and self.low.pop(b.block_id, None) is not None:
+            self.given_up.discard(b.block_id)
             self.policy.on_free(b)
 
     def pin(self, block: KVBlock, until: float) -> bool:
@@ -295,6 +309,7 @@ class BlockPool:
                 self._uncache(b, evicted=False)
                 self.empty.append(b.block_id)
                 dropped += 1
+        self.given_up.clear()
         self.listeners = listeners
         for listener in listeners:
             listener.on_cleared()
@@ -317,6 +332,7 @@ class BlockPool:
         evictable = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.key is not None)
         assert evictable == len(self.policy) + len(self.pinned) + len(self.low), \
             f"evictable {evictable} != policy {len(self.policy)} + pinned {len(self.pinned)} + low {len(self.low)}"
+        assert self.given_up <= self.low.keys(), "a given-up block outside the interior queue"
         for b in self.low.values():
             assert b.ref_cnt == 0 and b.key is not None and (b.dead or (b.group and not b.kept)), \
                 f"block {b.block_id} in the interior queue but not a free interior or dead block"

@@ -66,8 +66,14 @@ class EvictionPolicy(ABC):
         """Remove and return the victim. Only called when ``len(self) > 0``."""
 
     def on_removed(self, block: KVBlock) -> None:
-        """The block left the evictable set without being chosen (cache reset)."""
+        """The block left the evictable set without being chosen (cache reset, or a hybrid pool
+        demoted it to its interior queue: ``on_dropped`` follows if a cascade gave it up)."""
         self.on_use(block)
+
+    def on_dropped(self, block: KVBlock) -> None:
+        """A block the policy's order still held was given up by another eviction's cascade
+        (a hybrid pool's window keeper demoted it, and its page has now been reused): for
+        policies that learn from what they evicted, it is an eviction they did not choose."""
 
     def on_request(self, ticks: int = 1) -> None:
         """A request was admitted (its first allocation); policies may use it as a clock.
@@ -181,7 +187,8 @@ class FreqCreditPolicy(EvictionPolicy):
         self._block: list[KVBlock | None] = [None] * num_blocks
         self._heap = LazyHeap(num_blocks)    # the evictable set: id -> (t_free + credit, -depth, seq)
         self._seq = 0
-        self._history: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (count, t_free)
+        # key -> (count, t_free, t_evict, eviction number, class or -1 once tallied, dropped)
+        self._history: OrderedDict[bytes, tuple[int, int, int, int, int, bool]] = OrderedDict()
         self._history_size = self.history_mult * num_blocks
         self._t_free = [0] * num_blocks      # request counter when the block last became evictable
         self._by_age: OrderedDict[int, None] = OrderedDict()  # evictable, priority <= 0, free order
@@ -222,12 +229,17 @@ class FreqCreditPolicy(EvictionPolicy):
 
     def on_cached(self, block: KVBlock) -> None:
         bid = block.block_id
-        count, t_free, t_evict, _, cls = self._history.pop(block.key, (0, -1, -1, -1, -1))
+        count, t_free, t_evict, _, cls, dropped = self._history.pop(block.key,
+                                                                 (0, -1, -1, -1, -1, False))
         if t_free >= 0:
             self._observe_gap(self.now - t_free)
             if cls >= 0:  # within the horizon
                 d = self.now - t_evict
-                self._delay = 0.9 * self._delay + 0.1 * d if self._delay else float(max(1, d))
+                if not dropped:  # the horizon is learned from the policy's own choices: a
+                    # cascade gives a session's blocks up together and they return together,
+                    # so counted one by one they would set every key's horizon to one session's
+                    # delay and expire the other sessions' pending keys early
+                    self._delay = 0.9 * self._delay + 0.1 * d if self._delay else float(max(1, d))
                 self._tally(cls, 0)
         self._count[bid] = count + 1
         self._last[bid] = self.now
@@ -249,7 +261,7 @@ class FreqCreditPolicy(EvictionPolicy):
             rec = self._history.get(key)
             if rec is not None and rec[3] == n_ev and rec[4] >= 0:
                 self._tally(rec[4], 1)
-                self._history[key] = rec[:4] + (-1,)
+                self._history[key] = rec[:4] + (-1,) + rec[5:]
 
     def _looping(self) -> bool:
         """Whether blocks evicted before any hit come back (within ``loop_horizon_mult`` mean
@@ -307,11 +319,18 @@ class FreqCreditPolicy(EvictionPolicy):
         block = self._block[bid]
         assert block is not None
         self._leave(bid)
+        self._remember(bid, block, False)
+        return block
+
+    def on_dropped(self, block: KVBlock) -> None:
+        self._remember(block.block_id, block, True)
+
+    def _remember(self, bid: int, block: KVBlock, dropped: bool) -> None:
         self._evictions += 1
         cls = 1 if self._probation[bid] else 0 if self._count[bid] <= 1 else -1
         if self._history_size and block.key is not None:
             self._history[block.key] = (self._count[bid], self._t_free[bid], self.now,
-                                        self._evictions, cls)
+                                        self._evictions, cls, dropped)
             if cls >= 0:
                 self._pending.append((self.now, self._evictions, block.key))
                 if len(self._pending) > self._history_size:  # older than every record: nothing
@@ -319,7 +338,6 @@ class FreqCreditPolicy(EvictionPolicy):
             self._expire()
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
-        return block
 
     def on_removed(self, block: KVBlock) -> None:
         self._leave(block.block_id)

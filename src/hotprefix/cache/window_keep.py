@@ -56,7 +56,7 @@ class WindowKeeper:
 
     def _demote(self, b: KVBlock | None, victim: KVBlock) -> None:
         if b is not None and b is not victim and not b.dead and b.ref_cnt == 0:
-            self.pool.demote(b)
+            self.pool.demote(b, evicted=True)
             self.num_dead += 1
 
     # ------------------------------------------------------------------ the cascade
