@@ -116,10 +116,8 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
                     del self.pinned[b.block_id]
-                elif self.low.pop(b.block_id, None) is None:
+                elif not self._leave_low(b):
                     self.policy.on_use(b)
-                else:
-                    self.given_up.discard(b.block_id)
                 self.num_in_use += 1
             b.dead = False  # a hit uses it: alive again
             b.ref_cnt += 1
@@ -223,6 +221,12 @@ class BlockPool:
         if evicted:
             self.given_up.add(b.block_id)
 
+    def _leave_low(self, b: KVBlock) -> bool:
+        """Take ``b`` out of the interior queue (and ``given_up``) without evicting it; whether
+        it was there."""
+        self.given_up.discard(b.block_id)
+        return self.low.pop(b.block_id, None) is not None
+
     def revive(self, b: KVBlock) -> None:
         """Cached block ``b`` serves hits again (a request recomputed it, or keeps a window that
         it is part of): back in the policy's order, a window block as kept."""
@@ -230,8 +234,7 @@ class BlockPool:
             return
         b.dead = False
         b.kept = b.kept or bool(b.group)
-        if b.ref_cnt == 0 and self.low.pop(b.block_id, None) is not None:
-            self.given_up.discard(b.block_id)
+        if b.ref_cnt == 0 and self._leave_low(b):
             self.policy.on_free(b)
 
     def pin(self, block: KVBlock, until: float) -> bool:
@@ -304,12 +307,11 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if b.block_id in self.pinned:
                     del self.pinned[b.block_id]
-                elif self.low.pop(b.block_id, None) is None:
+                elif not self._leave_low(b):
                     self.policy.on_removed(b)
                 self._uncache(b, evicted=False)
                 self.empty.append(b.block_id)
                 dropped += 1
-        self.given_up.clear()
         self.listeners = listeners
         for listener in listeners:
             listener.on_cleared()
