@@ -55,6 +55,12 @@ def test_rates_come_from_the_engines_steps_and_the_report_counts_work_left():
     engine.runner.run([chunk(Req(2000), 800)] + [chunk(r, 1) for r in decoding], {})
     assert meter.prefill_tok_s == pytest.approx(800.0)
     assert meter.steps == 2
+    # a turn's few new tokens after a cache hit: 20 in 0.1 s is the step's fixed cost, not a
+    # rate of 200 tok/s; the rate stays what long prefills measured
+    clock.step_s = 0.1
+    for _ in range(5):
+        engine.runner.run([chunk(Req(400, 380), 20)], {})
+    assert meter.prefill_tok_s == pytest.approx(800.0) and meter.steps == 7
     for cb in engine.on_step:  # a request that produced 40 tokens finished
         cb({"num_tokens": 1, "outputs": [SimpleNamespace(finished=True, token_ids=[1] * 40,
                                                          num_cached_tokens=300,

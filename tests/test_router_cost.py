@@ -360,3 +360,22 @@ def test_a_report_keeps_counting_the_requests_still_on_their_way():
     for d in sent + [late]:  # until they end
         r.finished(d)
     assert r.work_s("r0") == 0.0 and r.work_s("r1") == 0.0
+
+
+def test_a_holder_filled_ahead_of_its_share_keeps_its_conversation():
+    """Fill balance prices the blocks a write adds, not the lead earlier writes made: r0 is 64
+    blocks past its share of two mostly empty pools (each conversation it holds grew there), yet
+    the next turn of a 21-block conversation it holds adds one block there and stays; a new prompt
+    of the same size goes to the emptier pool."""
+    rng = random.Random(11)
+    conv = toks(rng, 21) + toks(rng, 1)[:5]
+    r = router(2)
+    hold(r, "r0", conv)
+    r.branches.add(HASHER.keys(conv), 0.0)  # the previous turn was routed
+    for name, filled in (("r0", 148), ("r1", 20)):
+        r.report(name, 0, 0, empty_blocks=512 - filled, pool_blocks=512)
+    d = r.route_tokens(conv + toks(rng, 1))
+    assert (d.replica, d.reason, d.hit_blocks) == ("r0", "prefix", 21)
+    assert r.eviction_s("r0", 16) == pytest.approx(16 / 1000.0)  # one block, at r0's rate
+    fresh = r.route_tokens(toks(rng, 22) + [7])
+    assert (fresh.replica, fresh.reason) == ("r1", "least_loaded")

@@ -5,7 +5,10 @@ the scheduled chunks) and keeps exponentially weighted means of
 
   * seconds per decoded token: a step's time over the sequences it decoded, from steps that only
     decode;
-  * prefill tokens per second: a step's prompt tokens over its time less its decodes' share;
+  * prefill tokens per second: a step's prompt tokens over its time less its decodes' share,
+    from steps that prefill at least ``MIN_RATE_TOKENS`` (a short one's time is mostly the step's
+    fixed cost: a replica serving cache hits, whose prefills are a turn's few new tokens, would
+    measure itself slow and be priced off the prefixes it holds);
   * output tokens of finished requests, and the share of their prompts served from cache (from
     the engine's ``on_step`` outputs).
 
@@ -26,6 +29,8 @@ from typing import Any, Callable
 
 EWMA = 0.2
 """Weight of the newest step in the running means (about the last ten steps count)."""
+MIN_RATE_TOKENS = 128
+"""Fewest prompt tokens a step must prefill to count toward the prefill rate."""
 
 
 class StepMeter:
@@ -67,6 +72,8 @@ class StepMeter:
         self.steps += 1
         if prefill == 0:
             self.decode_token_s = _mean(self.decode_token_s, seconds / decodes)
+            return
+        if prefill < MIN_RATE_TOKENS:
             return
         decode_s = decodes * (self.decode_token_s or 0.0)
         self.prefill_tok_s = _mean(self.prefill_tok_s, prefill / max(seconds - decode_s, seconds / 2))

@@ -246,7 +246,9 @@ class Router:
           * those beyond its share of the fleet's filled blocks (its pool's share of the fleet's
             pool): the fleet acts as one cache only when every pool fills at the same pace; a
             replica filled ahead of the others evicts the prompts that return to it (and grow)
-            while their pools still have room. Where pool sizes are reported.
+            while their pools still have room. Where pool sizes are reported;
+
+        and never more than the write's own blocks (the marginal cost of this write).
 
         0 where the replica does not report its empty blocks."""
         load = self.loads[replica]
@@ -263,7 +265,10 @@ class Router:
                 total = sum(x.pool_blocks for x in fleet)  # type: ignore[misc]
                 share = load.pool_blocks / total  # type: ignore[operator]
                 over = max(over, filled + blocks - share * (sum(fills) + blocks))  # type: ignore[arg-type]
-        return max(0.0, over) * self.block_size / self.rates(replica)[0]
+        # this write's blocks at most: a replica already past its share is charged for the blocks
+        # it adds, not again for the excess earlier writes made (or a conversation's every turn
+        # pays its holder's whole lead, and leaves it once the lead outgrows its cached prefix)
+        return min(blocks, max(0.0, over)) * self.block_size / self.rates(replica)[0]
 
     def view(self) -> dict[str, dict[str, float]]:
         """Per replica: work seconds, tokens (prefill, decode) counted, rates, pool blocks filled
