@@ -331,3 +331,46 @@ def test_a_whole_model_entry_still_decodes_as_a_blob(gemma_dir, tmp_path, cold):
     payload = decode_blob(blob, key=keys[0], parent=ns, token_ids=p[:BS], layout=io.layout,
                           payload_len=io.payload_len)
     assert len(payload) == io.payload_len
+
+
+def _evict_windows(llm: LLM) -> None:
+    """Evict every window page the pool caches, keeping group 0's (as pool pressure does: window
+    pages go first)."""
+    pool = llm.engine.cache.pool
+    for b in [b for b in pool.index.values() if b.group]:
+        pool.demote(b)
+    pool.free(pool.allocate(len(pool.empty) + len(pool.low)) or [])
+    assert not any(b.group for b in pool.index.values())
+
+
+@pytest.mark.parametrize("lost", [None, 16])
+def test_windows_the_pool_lost_come_back_from_the_tier(gemma_dir, tmp_path, cold, lost):
+    """The pool keeps a prompt's group-0 run but none of its window pages: the fetch asks the tier
+    for the window before the run's end too, and the hit covers the whole run again, from the
+    tier (exact, nothing left in use). With one of those entries gone, the window run stops
+    there: the hit resumes earlier (here at 0), computed, still exact."""
+    store = f"disk:{tmp_path / 'kv'}"
+    p = _prompt(5, cold.vocab)
+    with _llm(gemma_dir, [store]) as llm:
+        o, got = _run(llm, p)
+        assert o.cache_report.sources == {"pool": 0} and got == cold(5)
+        llm.engine.cache.tiers.tiers.flush()
+        _evict_windows(llm)
+        keys = llm.engine.cache.hasher.keys(p)
+        assert all(keys[i] in llm.engine.cache.pool.index for i in range(N_BLOCKS))
+        if lost is not None:
+            os.remove(_file_of(tmp_path / "kv", llm.engine.cache.tiers.io.layout, keys[lost]))
+        before = _disk(llm)["hit_blocks"]
+        o2, got2 = _run(llm, p)
+        assert got2 == cold(5)
+        rep = o2.cache_report
+        if lost is None:
+            assert o2.num_cached_tokens == N_BLOCKS * BS
+            assert rep.sources == {"pool": 0, "disk": N_BLOCKS * BS}
+            # only the window before the run's end was read, not the whole prompt again
+            assert _disk(llm)["hit_blocks"] - before == WINDOW_BLOCKS
+        else:
+            assert o2.num_cached_tokens == 0 and rep.miss_reason == MissReason.WINDOW_EVICTED
+            assert _disk(llm)["hit_blocks"] - before == lost - (N_BLOCKS - WINDOW_BLOCKS)
+        assert _disk(llm)["corrupt"] == 0
+        _idle(llm)

@@ -18,7 +18,10 @@ window blocks are all cached at the commit that caches its group-0 blocks; a win
 ``kept`` status is only known when the request releases it, later, and would cost a second write.
 An install then places the group-0 run and, of the window pages that came with it, those of the
 windows before the point where the request can resume (``kv_groups.resume_point`` over what the
-pool holds and what verified), so the manager's ``WindowGroups.resume`` finds them.
+pool holds and what verified), so the manager's ``WindowGroups.resume`` finds them. When the pool
+still holds a prompt's group-0 run but not the windows its end needs (window blocks are the first
+thing eviction takes), the fetch also asks for the entries of the window before the run's end
+(a second run, so a miss there does not cut the first) and installs their window pages alone.
 
 Moving bytes in and out of pool blocks is the runner's job (``BlockIO``); this module only
 knows keys, block ids and bytes. Imports no torch.
@@ -80,10 +83,16 @@ class TierFetch:
     """One request's fetch in flight."""
 
     start: int
-    """Block index of the first block asked for."""
+    """Block index of the first block asked for past the pool's run."""
     future: Future
+    """Its result: (the window run, the run past the pool's), each a list of ``FetchedBlock``."""
     deadline: float
     """Monotonic time after which the request stops waiting and computes."""
+    window_start: int = 0
+    """A hybrid pool: the first block of the window run (blocks whose group-0 page the pool
+    holds but whose window pages a hit at the run's end needs; == ``start`` when none)."""
+    resume_before: int = 0
+    """Where the pool alone could resume when the fetch started (a hybrid pool)."""
 
 
 @dataclass
@@ -136,24 +145,49 @@ class TierLink:
 
     # ------------------------------------------------------------------ reads
     def start_fetch(self, m: PoolOwner, req: CacheRequest) -> None:
-        """Look up the blocks past the pool's current hit run in the tiers, in the background."""
+        """Look up the blocks past the pool's current hit run in the tiers, in the background;
+        on a hybrid pool whose windows end before that run does, also the window blocks before
+        the run's end (``_window_run``)."""
         if req.request_id in self._state:
             return
         st = self._state[req.request_id] = TierState()
         keys = m.keys(req)
         limit = min(len(keys), cacheable_blocks(req.num_prompt_tokens, m.block_size))
         start = len(m.pool_run(req))
-        if start >= limit:
+        wstart, resume = self._window_run(m, req, keys, start)
+        if start >= limit and wstart >= start:
             return
         bs = m.block_size
-        if not self.worth_loading(limit - start, bs):
+        if not self.worth_loading(max(0, limit - start) + start - wstart, bs):
             self.skipped_slow += 1
             return
-        entries = [TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
-                             tuple(req.token_ids[i * bs:(i + 1) * bs])) for i in range(start, limit)]
+
+        def entries(lo: int, hi: int) -> list[TierEntry]:
+            return [TierEntry(keys[i], keys[i - 1] if i else m.hasher.namespace,
+                              tuple(req.token_ids[i * bs:(i + 1) * bs])) for i in range(lo, hi)]
         deadline = time.monotonic() + self.timeout_s
-        fut = self._pool.submit(self._timed_fetch, entries)
-        st.fetch = TierFetch(start, fut, deadline)
+        fut = self._pool.submit(self._fetch_runs, entries(wstart, start), entries(start, limit))
+        st.fetch = TierFetch(start, fut, deadline, wstart, resume)
+
+    @staticmethod
+    def _window_run(m: PoolOwner, req: CacheRequest, keys: Sequence[BlockKey], run: int
+                    ) -> tuple[int, int]:
+        """(first block of the window run, where the pool alone resumes). The pool holds the
+        group-0 run ``0..run-1`` but its windows let a hit resume only at an earlier kept point:
+        the tier entries of the window a hit at ``run`` reads carry those window pages (none:
+        ``(run, run)``)."""
+        w = m.windows
+        if w is None or not run:
+            return run, run
+        resume = w.resume(keys, req.token_ids, run)
+        return (run, run) if resume == run else (max(resume, w.first_needed(run * m.block_size)), resume)
+
+    def _fetch_runs(self, window: list[TierEntry], tail: list[TierEntry]
+                    ) -> tuple[list[FetchedBlock], list[FetchedBlock]]:
+        """Two verified runs: the window run's and the one past the pool's (a miss in one does
+        not cut the other)."""
+        return (self._timed_fetch(window) if window else [],
+                self._timed_fetch(tail) if tail else [])
 
     def pending(self, req: CacheRequest) -> bool:
         """Whether the request should wait for its fetch (running and within its deadline)."""
@@ -183,21 +217,31 @@ class TierLink:
             return
         fetch, st.fetch = st.fetch, None
         try:
-            fetched: list[FetchedBlock] = fetch.future.result()
+            wfetched, fetched = fetch.future.result()
         except Exception as e:  # a tier bug must not fail the request: compute instead
             log.warning("tier fetch failed: %s", e)
             return
-        if not fetched:
+        if not fetched and not wfetched:
             return
         keys = m.keys(req)
         bs = m.block_size
-        new = m.pool.allocate(min(len(fetched), m.pool.num_free)) or []
+        ahead = max(0, len(m.pool_run(req)) - fetch.start)  # cached meanwhile by another request
+        want = max(0, len(fetched) - ahead)
+        new = (m.pool.allocate(min(want, m.pool.num_free)) or []) if want else []
         run = len(m.pool_run(req))  # after allocating: an eviction may have shortened the run
         skip = run - fetch.start
         use = fetched[skip:] if 0 <= skip < len(fetched) else []
         use = use[:len(new)]
         ids, payloads, placed = [], [], []
         pages: dict[int, dict[int, memoryview]] = {}
+        for j, fb in enumerate(wfetched):  # window pages of blocks whose group-0 page the pool holds
+            i = fetch.window_start + j
+            if i >= run:
+                break
+            if fb.parts:
+                pages[i] = fb.parts
+            if fb.bad:
+                st.repair[i] = fb.bad
         for j, (blk, fb) in enumerate(zip(new, use)):
             i = run + j
             if keys[i] in m.pool.index:  # cached meanwhile by another request
@@ -223,6 +267,13 @@ class TierLink:
         held = self._install_windows(m, req, keys, pages) if m.windows is not None and pages else []
         m.pool.free(new)  # installed blocks become free-and-cached, the rest empty again
         m.pool.free(held)  # after the full blocks they make reachable (as ``manager.free``)
+        if held and wfetched:  # the blocks the window run moved the resume point over
+            assert m.windows is not None
+            now = m.windows.resume(keys, req.token_ids, len(m.pool_run(req)))
+            gained = max(0, min(now, fetch.start) - fetch.resume_before)
+            if gained:
+                tier = wfetched[0].tier
+                st.loaded[tier] = st.loaded.get(tier, 0) + gained
 
     def _install_windows(self, m: PoolOwner, req: CacheRequest, keys: Sequence[BlockKey],
                          pages: dict[int, dict[int, memoryview]]) -> list[KVBlock]:
