@@ -1,20 +1,22 @@
 /* Paged attention read straight from the K/V pool, every query row in one fixed order.
  *
- * A query at position p attends keys 0..p of its sequence, read through its block table from the
+ * A query at position p attends keys lo..p of its sequence (lo = 0, or p - window + 1 in a
+ * sliding-window layer), read through its block table from the
  * pool [blocks][block_size][nkv][row] (bf16, fp32, or int8 rows with a scale: kvpool.h; widened to
  * fp32 as read, an int8 value as (float)q * scale). Keys are taken in
  * chunks of CH at fixed positions (chunk c holds keys [c*CH, c*CH + CH)), and for each query:
  *
  *   s[k]  = sum over d, in order, of fma(q[d] * scale, K[k][d], .)       (one chain per key)
- *   keys past p are masked; mc = max over the chunk (exact in any order)
+ *   keys past p and before lo are masked; mc = max over the chunk (exact in any order)
  *   m'    = max(m, mc); alpha = e^(m - m'); p[k] = e^(s[k] - m')          (exp_le0, below)
  *   l     = l * alpha + tree sum of p                                     (fixed pairwise tree)
- *   O[d]  = O[d] * alpha, then fma(p[k], V[k][d], O[d]) for the chunk's keys in order
+ *   O[d]  = O[d] * alpha, then fma(p[k], V[k][d], O[d]) for the chunk's keys lo..p in order
  *   the state restarts every SEG keys (a segment); the segments' states (m, l, O) are merged in
  *   order (merge_state), and out = O / l after the last
  *
  * Each step is one IEEE single-precision operation on values that depend only on the query, the
- * keys 0..p and the chunk and segment grids, so a row's bits do not depend on which rows share
+ * keys lo..p and the chunk and segment grids (chunks and segments holding none of them are
+ * skipped, a masked key's value is never read), so a row's bits do not depend on which rows share
  * the call, how a prompt was cut into chunks, whether the row is a prefill or a decode, the
  * thread count or the vector width the compiler picked (no FMA contraction, no fast-math: the
  * build's flags). There is no gather into scratch and no padding of rows or keys, which the torch
@@ -316,21 +318,28 @@ static inline __attribute__((always_inline)) void scores_avx(const float *qs, co
 }
 
 /* O = O * alpha, then O += p[k] V[k] for the chunk's keys in order, V read from the pool (rows
- * kb[k]), for nvec (a constant where inlined) vectors at once, each taking keys 0..nv: the value
- * rows' loads are shared by the vectors while k < kmin (the fewest keys any of them takes). */
+ * kb[k]), for nvec (a constant where inlined) vectors at once, each taking keys nf..nv: the value
+ * rows' loads are shared by the vectors for kf <= k < kmin (kf: the latest first key of any of
+ * them, kmin: the fewest keys); each vector's keys before kf first, in order. */
 static inline __attribute__((always_inline)) void pv_avx(const void *vc, int kv,
                                                          const int64_t *kb, const float *vs,
                                                          int64_t hd,
                                                          const float (*p)[CH], const float *alpha,
-                                                         const int *nv, int kmin, float **o,
-                                                         const int nvec) {
+                                                         const int *nf, const int *nv, int kf,
+                                                         int kmin, float **o, const int nvec) {
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
         __m512 a[PV_VECS][4];
         for (int v = 0; v < nvec; v++) {
             const __m512 av = _mm512_set1_ps(alpha[v]);
             for (int c = 0; c < 4; c++) a[v][c] = _mm512_mul_ps(_mm512_loadu_ps(o[v] + d0 + 16 * c), av);
+            for (int k = nf[v]; k < kf && k < nv[v]; k++) { /* a window's first keys */
+                const __m512 pk = _mm512_set1_ps(p[v][k]);
+                for (int c = 0; c < 4; c++)
+                    a[v][c] = _mm512_fmadd_ps(pk, value16(vc, kv, kb[k] + d0 + 16 * c, vs[k]),
+                                              a[v][c]);
+            }
         }
-        for (int k = 0; k < kmin; k++) {
+        for (int k = kf; k < kmin; k++) {
             const int64_t vr = kb[k] + d0;
             const float sk = vs[k];
             const __m512 v0 = value16(vc, kv, vr, sk), v1 = value16(vc, kv, vr + 16, sk),
@@ -344,7 +353,7 @@ static inline __attribute__((always_inline)) void pv_avx(const void *vc, int kv,
             }
         }
         for (int v = 0; v < nvec; v++) { /* the rest of each vector's keys, in order */
-            for (int k = kmin; k < nv[v]; k++) {
+            for (int k = kmin > kf ? kmin : kf; k < nv[v]; k++) {
                 const __m512 pk = _mm512_set1_ps(p[v][k]);
                 for (int c = 0; c < 4; c++)
                     a[v][c] = _mm512_fmadd_ps(pk, value16(vc, kv, kb[k] + d0 + 16 * c, vs[k]),
@@ -406,16 +415,22 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int kv
                                                           const int64_t *vr, const float *vs,
                                                           int64_t hd,
                                                           const float (*p)[CH], const float *alpha,
-                                                          const int *nv, int kmin, float **o,
-                                                          const int nvec) {
+                                                          const int *nf, const int *nv, int kf,
+                                                          int kmin, float **o, const int nvec) {
     for (int64_t d0 = 0; d0 < hd; d0 += 16) {
         __m256 a[PV_VECS][2];
         for (int v = 0; v < nvec; v++) {
             const __m256 av = _mm256_set1_ps(alpha[v]);
             for (int c = 0; c < 2; c++)
                 a[v][c] = _mm256_mul_ps(_mm256_loadu_ps(o[v] + d0 + 8 * c), av);
+            for (int k = nf[v]; k < kf && k < nv[v]; k++) { /* a window's first keys */
+                const __m256 pk = _mm256_set1_ps(p[v][k]);
+                for (int c = 0; c < 2; c++)
+                    a[v][c] = _mm256_fmadd_ps(pk, value8(vc, kv, vr[k] + d0 + 8 * c, vs[k]),
+                                              a[v][c]);
+            }
         }
-        for (int k = 0; k < kmin; k++) {
+        for (int k = kf; k < kmin; k++) {
             const __m256 v0 = value8(vc, kv, vr[k] + d0, vs[k]),
                          v1 = value8(vc, kv, vr[k] + d0 + 8, vs[k]);
             for (int v = 0; v < nvec; v++) {
@@ -425,7 +440,7 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int kv
             }
         }
         for (int v = 0; v < nvec; v++) { /* the rest of each vector's keys, in order */
-            for (int k = kmin; k < nv[v]; k++) {
+            for (int k = kmin > kf ? kmin : kf; k < nv[v]; k++) {
                 const __m256 pk = _mm256_set1_ps(p[v][k]);
                 for (int c = 0; c < 2; c++)
                     a[v][c] = _mm256_fmadd_ps(pk, value8(vc, kv, vr[k] + d0 + 8 * c, vs[k]),
@@ -437,13 +452,15 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int kv
 }
 #endif
 
-/* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows end at pos_of(j): scores,
- * online softmax state (m, l) and accumulators acc[j][hd] updated; vectors >= nq untouched. */
+/* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows read keys rlo..rpos of
+ * their row (j / g): scores, online softmax state (m, l) and accumulators acc[j][hd] updated;
+ * vectors >= nq, and those with no key in the chunk, untouched. */
 static void chunk_update(const float *qs, const float *kt, const float *vch, const void *kc,
                          const void *vc, int kv, const int64_t *kb, const float *ks,
                          const float *vs, int64_t nk, int64_t hd,
-                         int64_t j0, int64_t nq, int64_t g, const int64_t *rpos, int64_t k0,
-                         float *m, float *l, float *acc, int portable) {
+                         int64_t j0, int64_t nq, int64_t g, const int64_t *rpos,
+                         const int64_t *rlo, int64_t k0, float *m, float *l, float *acc,
+                         int portable) {
 #ifdef HP_AVX512
     if (VECTOR_UPDATE(hd, portable)) {
         __m512 s[QB];
@@ -462,18 +479,19 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
          * phases across the vectors (each phase's vectors independent of each other), so that
          * the long dependency chains of the max, the exponentials and the sums overlap, and the
          * value rows are loaded once for up to PV_VECS vectors. */
-        int live[QB], nv[QB], nlive = 0;
+        int live[QB], nv[QB], nf[QB], nlive = 0;
         float mn[QB], alpha[QB], p[QB][CH];
         for (int b = 0; b < QB && j0 + b < nq; b++) {
-            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1;
-            if (valid <= 0) continue; /* this row's keys end before the chunk */
+            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1, first = rlo[(j0 + b) / g] - k0;
+            if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
             live[nlive] = b;
+            nf[nlive] = first > 0 ? (int)first : 0;
             nv[nlive++] = valid < CH ? (int)valid : CH;
         }
         __m512 sb[QB];
         for (int i = 0; i < nlive; i++) {
             const int b = live[i];
-            const __mmask16 keep = (__mmask16)((1u << nv[i]) - 1u);
+            const __mmask16 keep = (__mmask16)(((1u << nv[i]) - 1u) & ~((1u << nf[i]) - 1u));
             sb[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[b]);
             mn[i] = fmaxf(m[j0 + b], _mm512_reduce_max_ps(sb[i]));
         }
@@ -492,17 +510,19 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         }
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
-            int kmin = CH;
+            int kmin = CH, kf = 0;
             float *o[PV_VECS];
             for (int i = i0; i < i0 + nvec; i++) {
                 kmin = nv[i] < kmin ? nv[i] : kmin;
+                kf = nf[i] > kf ? nf[i] : kf;
                 o[i - i0] = acc + (j0 + live[i]) * hd;
             }
+            const int *f = nf + i0, *e = nv + i0;
             switch (nvec) { /* a constant count each: the accumulators stay in registers */
-            case 1: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
-            case 2: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
-            case 3: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
-            default: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
+            case 1: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
+            case 2: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 2); break;
+            case 3: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 3); break;
+            default: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 4); break;
             }
         }
         return;
@@ -521,12 +541,13 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             if (nq - j0 > QB / 2)
                 scores_avx2(qj + QB / 2 * hd, kt, kc, kv, kb, ks, nk, hd, s + QB / 2, QB / 2, 0);
         }
-        int live[QB], nv[QB], nlive = 0;
+        int live[QB], nv[QB], nf[QB], nlive = 0;
         float mo[QB] = {0}, mc[QB] = {0}, mn[QB], alpha[QB], p[QB][CH];
         for (int b = 0; b < QB && j0 + b < nq; b++) {
-            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1;
-            if (valid <= 0) continue; /* this row's keys end before the chunk */
+            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1, first = rlo[(j0 + b) / g] - k0;
+            if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
             live[nlive] = b;
+            nf[nlive] = first > 0 ? (int)first : 0;
             nv[nlive++] = valid < CH ? (int)valid : CH;
         }
         /* masked keys and NaN scores -inf (fmaxf skips a NaN; its p is 0 either way) */
@@ -534,8 +555,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         __m256 sb[QB][2];
         for (int i = 0; i < nlive; i++) {
             for (int h = 0; h < 2; h++) {
-                const __m256 sh = s[live[i]][h], in = _mm256_castsi256_ps(
-                    _mm256_cmpgt_epi32(_mm256_set1_epi32(nv[i] - 8 * h), iota));
+                const __m256 sh = s[live[i]][h], in = _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(nv[i] - 8 * h), iota),
+                    _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(nf[i] - 8 * h - 1))));
                 const __m256 keep = _mm256_and_ps(in, _mm256_cmp_ps(sh, sh, _CMP_ORD_Q));
                 sb[i][h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sh, keep);
             }
@@ -569,17 +591,19 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         const int vkv = nq > QB / 2 ? KV_FP32 : kv;
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
-            int kmin = CH;
+            int kmin = CH, kf = 0;
             float *o[PV_VECS];
             for (int i = i0; i < i0 + nvec; i++) {
                 kmin = nv[i] < kmin ? nv[i] : kmin;
+                kf = nf[i] > kf ? nf[i] : kf;
                 o[i - i0] = acc + (j0 + live[i]) * hd;
             }
+            const int *f = nf + i0, *e = nv + i0;
             switch (nvec) {
-            case 1: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 1); break;
-            case 2: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 2); break;
-            case 3: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 3); break;
-            default: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, nv + i0, kmin, o, 4); break;
+            case 1: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
+            case 2: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 2); break;
+            case 3: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 3); break;
+            default: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 4); break;
             }
         }
         return;
@@ -593,12 +617,12 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             for (int k = 0; k < CH; k++) s[b][k] = fmaf(qd, kt[d * CH + k], s[b][k]);
         }
     for (int b = 0; b < QB && j0 + b < nq; b++) {
-        const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1;
-        if (valid <= 0) continue; /* this row's keys end before the chunk */
-        const int nv = valid < CH ? (int)valid : CH;
+        const int64_t j = j0 + b, valid = rpos[j / g] - k0 + 1, first = rlo[j / g] - k0;
+        if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
+        const int nv = valid < CH ? (int)valid : CH, nf = first > 0 ? (int)first : 0;
         float p[CH], mc = -INFINITY;
         for (int k = 0; k < CH; k++) {
-            if (k >= nv) s[b][k] = -INFINITY;
+            if (k >= nv || k < nf) s[b][k] = -INFINITY;
             mc = fmaxf(mc, s[b][k]);
         }
         const float mn = fmaxf(m[j], mc), alpha = exp_le0(m[j] - mn);
@@ -610,7 +634,7 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         m[j] = mn;
         float *o = acc + j * hd;
         for (int64_t d = 0; d < hd; d++) o[d] = o[d] * alpha;
-        for (int k = 0; k < nv; k++) {
+        for (int k = nf; k < nv; k++) {
             const float pk = p[k], *v = vch + k * hd;
             for (int64_t d = 0; d < hd; d++) o[d] = fmaf(pk, v[d], o[d]);
         }
@@ -627,17 +651,24 @@ static void merge_state(float *m, float *l, float *o, float ms, float ls, const 
     *m = mn;
 }
 
+/* The first key a query at position p reads: 0, or p - window + 1 in a window of window keys. */
+static inline int64_t first_key(int64_t p, int64_t window) {
+    return window > 0 && p >= window ? p - window + 1 : 0;
+}
+
 /* Query rows rows[0..nr) (all reading `table` for these keys) against KV head h: their g query
  * heads each, over the keys of segments seg0.. (every segment up to the rows' last key when parts
  * is NULL: the merged result, O / l, goes to out; else segment seg0 alone: row i's state (m, l,
- * O) per query head, hd + 2 floats each, goes to parts at slot[i]). */
+ * O) per query head, hd + 2 floats each, goes to parts at slot[i]). A row reads its keys
+ * first_key(pos, window)..pos; chunks before the rows' first key are not visited. */
 static int attend_item(const float *q, float *out, float *parts, const int64_t *slot, int64_t nh,
                        int64_t g, int64_t hd, int64_t h, const void *kc, const void *vc, int kv,
                        int64_t bs, int64_t nkv, const int64_t *table, const int64_t *pos,
-                       const int64_t *rows, int64_t nr, int64_t seg0, float scale, int portable) {
+                       const int64_t *rows, int64_t nr, int64_t seg0, int64_t window, float scale,
+                       int portable) {
     const int64_t nq = nr * g, nqp = (nq + QB - 1) / QB * QB;
     float *scr = malloc((size_t)(2 * hd * CH + (nqp + 2 * nq) * hd + 4 * nq) * sizeof(float));
-    int64_t *rpos = malloc((size_t)nr * sizeof(int64_t));
+    int64_t *rpos = malloc((size_t)(2 * nr) * sizeof(int64_t)), *rlo = rpos + nr;
     if (!scr || !rpos) {
         free(scr);
         free(rpos);
@@ -645,13 +676,17 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
     }
     float *kt = scr, *vch = kt + hd * CH, *qs = vch + CH * hd, *acc = qs + nqp * hd;
     float *tacc = acc + nq * hd, *m = tacc + nq * hd, *l = m + nq, *tm = l + nq, *tl = tm + nq;
-    int64_t maxpos = 0;
+    int64_t maxpos = 0, minlo = INT64_MAX;
     for (int64_t i = 0; i < nr; i++) {
         rpos[i] = pos[rows[i]];
+        rlo[i] = first_key(rpos[i], window);
         maxpos = rpos[i] > maxpos ? rpos[i] : maxpos;
+        minlo = rlo[i] < minlo ? rlo[i] : minlo;
     }
-    const int64_t k_lo = seg0 * SEG, rs = kv_row(kv, hd), esize = kv_esize(kv);
-    const int64_t k_hi = parts ? (k_lo + SEG - 1 < maxpos ? k_lo + SEG - 1 : maxpos) : maxpos;
+    /* keys from the chunk of the rows' first key (or the segment's first): no chunk before it */
+    const int64_t seg_lo = seg0 * SEG, rs = kv_row(kv, hd), esize = kv_esize(kv);
+    const int64_t k_lo = minlo / CH * CH > seg_lo ? minlo / CH * CH : seg_lo;
+    const int64_t k_hi = parts ? (seg_lo + SEG - 1 < maxpos ? seg_lo + SEG - 1 : maxpos) : maxpos;
     for (int64_t j = 0; j < nqp; j++) { /* vectors past nq repeat the last: scored, unused */
         int64_t jj = j < nq ? j : nq - 1, head = h * g + jj % g;
         const float *src = q + (rows[jj / g] * nh + head) * hd;
@@ -665,7 +700,7 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
             if (parts) break;
             const int64_t seg_start = (k0 - 1) / SEG * SEG;
             for (int64_t j = 0; j < nq; j++) {
-                if (rpos[j / g] < seg_start) continue;
+                if (rpos[j / g] < seg_start || rlo[j / g] >= k0) continue; /* none of its keys */
                 merge_state(&tm[j], &tl[j], tacc + j * hd, m[j], l[j], acc + j * hd, hd);
                 m[j] = -INFINITY, l[j] = 0.0f;
                 memset(acc + j * hd, 0, (size_t)hd * sizeof(float));
@@ -680,7 +715,8 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
          * first chunk the next PREFETCH, then one a chunk */
         for (int64_t ahead = k0 == k_lo ? k0 : k0 + PREFETCH * CH; ahead <= k0 + PREFETCH * CH;
              ahead += CH) {
-            const int64_t na = ahead > k_hi ? 0 : k_hi - ahead + 1 < CH ? k_hi - ahead + 1 : CH;
+            const int64_t na = ahead > k_hi || ahead < minlo ? 0 /* the first chunk, past a window's start */
+                               : k_hi - ahead + 1 < CH ? k_hi - ahead + 1 : CH;
             key_bases(table, bs, nkv, rs, h, ahead, na, kb);
             for (int64_t t = 0; t < na; t++) {
                 const char *kr = (const char *)kc + kb[t] * esize;
@@ -691,7 +727,11 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
                 }
             }
         }
-        key_bases(table, bs, nkv, rs, h, k0, nk, kb);
+        /* keys before the rows' first (masked for every row; their blocks may be gone): the first
+         * key's row, so that every row read is in the pool */
+        const int64_t skip = minlo > k0 ? minlo - k0 : 0;
+        key_bases(table, bs, nkv, rs, h, k0 + skip, nk - skip, kb + skip);
+        for (int64_t k = 0; k < skip; k++) kb[k] = kb[skip];
         for (int64_t k = 0; k < CH; k++) {
             ks[k] = k < nk ? kv_scale(kc, kv, kb[k], hd) : 1.0f;
             vs[k] = k < nk ? kv_scale(vc, kv, kb[k], hd) : 1.0f;
@@ -699,8 +739,8 @@ static int attend_item(const float *q, float *out, float *parts, const int64_t *
         if (!VECTOR_UPDATE(hd, portable) || nq > QB / 2) /* else chunk_update reads the pool */
             load_chunk(kt, vch, kc, vc, kv, hd, kb, ks, vs, nk, portable);
         for (int64_t j0 = 0; j0 < nqp; j0 += QB)
-            chunk_update(qs, kt, vch, kc, vc, kv, kb, ks, vs, nk, hd, j0, nq, g, rpos, k0, m, l, acc,
-                         portable);
+            chunk_update(qs, kt, vch, kc, vc, kv, kb, ks, vs, nk, hd, j0, nq, g, rpos, rlo, k0, m, l,
+                         acc, portable);
     }
     for (int64_t j = 0; j < nq; j++) {
         if (parts) {
@@ -740,25 +780,29 @@ typedef struct {
 
 /* Whether row r is split into an item per segment: a lone row of its sequence (a decode) with
  * keys in more than one segment, when threads share the call. */
-static int split_row(const int64_t *seq, const int64_t *pos, int64_t n, int64_t r, int threads) {
-    return threads > 1 && pos[r] >= SEG && (r == 0 || seq[r - 1] != seq[r]) &&
-           (r + 1 == n || seq[r + 1] != seq[r]);
+static int split_row(const int64_t *seq, const int64_t *pos, int64_t n, int64_t r, int64_t window,
+                     int threads) {
+    return threads > 1 && pos[r] / SEG > first_key(pos[r], window) / SEG &&
+           (r == 0 || seq[r - 1] != seq[r]) && (r + 1 == n || seq[r + 1] != seq[r]);
 }
 
-/* 0 when every block the rows read is in their tables and the pool, else -2. */
+/* 0 when every block the rows read (those of keys first_key(pos, window)..pos) is in their
+ * tables and the pool, else -2. */
 int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
-                        int64_t tstride, const int64_t *seq, const int64_t *pos) {
+                      int64_t tstride, const int64_t *seq, const int64_t *pos, int64_t window) {
+    if (window < 0) return -2;
     for (int64_t r = 0; r < n; r++) {
         if (seq[r] < 0) continue;
         if (pos[r] < 0 || pos[r] / bs >= tstride) return -2;
-        for (int64_t b = 0; b <= pos[r] / bs; b++)
+        for (int64_t b = first_key(pos[r], window) / bs; b <= pos[r] / bs; b++)
             if (tables[seq[r] * tstride + b] < 0 || tables[seq[r] * tstride + b] >= pool_blocks)
                 return -2;
     }
     return 0;
 }
 
-/* q, out: [n][nh][hd] fp32. Row i attends keys 0..pos[i] of sequence seq[i], whose block table
+/* q, out: [n][nh][hd] fp32. Row i attends keys first_key(pos[i], window)..pos[i] (window 0: from
+ * key 0) of sequence seq[i], whose block table
  * is tables[seq[i] * tstride ...]; a row with seq[i] < 0 is padding and gets zeros. K/V pools:
  * [blocks][bs][nkv][kv_row(kv, hd)] of kind kv (kvpool.h).
  *
@@ -771,14 +815,14 @@ int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t 
  * must cover the rows (attn_check_tables). Returns 0, or -1 when memory ran out. */
 int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
               const void *v_cache, int kv, int64_t bs, const int64_t *tables, int64_t tstride,
-              const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
-              int portable) {
+              const int64_t *seq, const int64_t *pos, int64_t window, float scale, float *out,
+              int threads, int portable) {
     const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
     int64_t nkeys = 0, work = 0; /* nkeys: split rows' segments (each a partial state slot) */
     for (int64_t r = 0; r < n; r++) {
         if (seq[r] < 0) continue;
-        work += g * (pos[r] / CH + 1);
-        if (split_row(seq, pos, n, r, threads)) nkeys += pos[r] / SEG + 1;
+        work += g * ((pos[r] - first_key(pos[r], window)) / CH + 1);
+        if (split_row(seq, pos, n, r, window, threads)) nkeys += pos[r] / SEG + 1;
     }
     /* rows in item order, each row's first partial slot (-1: not split), the items */
     int64_t *order = malloc((size_t)(n + nkeys + 1) * sizeof(int64_t));
@@ -799,7 +843,7 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
             continue;
         }
         while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) base[e++] = -1;
-        if (!split_row(seq, pos, n, r, threads)) { /* one item: every segment, merged */
+        if (!split_row(seq, pos, n, r, window, threads)) { /* one item: every segment, merged */
             items[ni++] = (work_item){no, e - r, -1};
             for (int64_t i = r; i < e; i++) order[no++] = i;
             continue;
@@ -807,8 +851,9 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
         base[r] = next_slot;
         const int64_t segs = pos[r] / SEG + 1;
         next_slot += segs;
-        for (int64_t s = 0; s < segs; s++) {
-            if (pos[r] < (s + 1) * SEG - 1) { /* the last segment, partly filled: alone */
+        for (int64_t s = first_key(pos[r], window) / SEG; s < segs; s++) { /* those with its keys */
+            if (pos[r] < (s + 1) * SEG - 1 || first_key(pos[r], window) > s * SEG) {
+                /* the last segment, partly filled, or a window's first, partly read: alone */
                 items[ni++] = (work_item){no, 1, s};
                 order[no++] = r;
                 continue;
@@ -840,7 +885,7 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
         const int64_t *table = tables + seq[r0] * tstride;
         err |= attend_item(q, out, w.seg < 0 ? NULL : parts, slot_buf, nh, g, hd, h, k_cache,
                            v_cache, kv, bs, nkv, table, pos, rows, w.nr,
-                           w.seg < 0 ? 0 : w.seg, scale, portable);
+                           w.seg < 0 ? 0 : w.seg, window, scale, portable);
     }
     /* split rows: their segments' states merged in order, as attend_item merges them inline */
     for (int64_t r = 0; r < n && !err; r++) {
@@ -849,7 +894,7 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
             for (int64_t j = 0; j < g; j++) {
                 float tm = -INFINITY, tl = 0.0f, *o = out + (r * nh + h * g + j) * hd;
                 memset(o, 0, (size_t)hd * sizeof(float));
-                for (int64_t s = 0; s <= pos[r] / SEG; s++) {
+                for (int64_t s = first_key(pos[r], window) / SEG; s <= pos[r] / SEG; s++) {
                     const float *st = parts + ((base[r] + s) * nkv + h) * per + j * (hd + 2);
                     merge_state(&tm, &tl, o, st[0], st[1], st + 2, hd);
                 }
@@ -865,8 +910,8 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
 int attn_paged(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
                const void *v_cache, int kv, int64_t bs, int64_t pool_blocks,
                const int64_t *tables, int64_t tstride, const int64_t *seq, const int64_t *pos,
-               float scale, float *out, int threads, int portable) {
-    if (attn_check_tables(n, bs, pool_blocks, tables, tstride, seq, pos)) return -2;
+               int64_t window, float scale, float *out, int threads, int portable) {
+    if (attn_check_tables(n, bs, pool_blocks, tables, tstride, seq, pos, window)) return -2;
     return attn_rows(q, n, nh, nkv, hd, k_cache, v_cache, kv, bs, tables, tstride, seq, pos,
-                     scale, out, threads, portable);
+                     window, scale, out, threads, portable);
 }

@@ -87,7 +87,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_group_bytes": ([ctypes.c_int, _I], _I),
     "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
-    "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _F, _P,
+    "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _F, _P,
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
     "select_top_k": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
@@ -231,16 +231,18 @@ class FusedOps:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, scale: float,
-                  portable: bool = False) -> torch.Tensor:
+                  portable: bool = False, window: int = 0) -> torch.Tensor:
         """``attn.c``: q [rows, nh, hd] fp32 -> [rows, nh, hd]; row i attends keys 0..pos[i] of
         the sequence whose block table is ``tables[seq[i]]`` (seq -1: a padding row, zeros), read
-        from the pools [blocks, bs, nkv, hd]. ``portable``: the plain C path (the same bits)."""
+        from the pools [blocks, bs, nkv, hd]; ``window`` > 0: keys pos[i] - window + 1 .. pos[i]
+        only (a sliding-window layer; the table may hold anything before them). ``portable``: the
+        plain C path (the same bits)."""
         out = torch.empty_like(q)
         err = self.lib.attn_paged(q.data_ptr(), q.shape[0], self.nh, self.nkv, self.hd,
                                   k_cache.data_ptr(), v_cache.data_ptr(),
                                   kv_kind(k_cache), k_cache.shape[1],
                                   k_cache.shape[0], tables.data_ptr(), tables.shape[1],
-                                  seq.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
+                                  seq.data_ptr(), pos.data_ptr(), window, scale, out.data_ptr(),
                                   self.threads(), int(portable))
         check_attention(err, "attention scratch")
         return out

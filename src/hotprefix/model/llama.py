@@ -5,8 +5,8 @@ written over the shared operators of ``arch.ops``: the Llama layer, or gemma3's 
 RMSNorm -> LM head (a final logit softcap where the model has one). Here live what every family
 shares: the weights as held for compute (weight modes, Q/K/V and gate/up fused into one matrix
 each, so a layer is four GEMMs), padding to batch-invariant row counts, each layer's RoPE tables
-and attention window (``ModelArch.local_layers``), which attention runs (the C kernel, or torch's
-for sliding-window layers: ``attn.c`` takes no window), the fp32 refinement of the top logits, and
+and attention window (``ModelArch.local_layers``), which attention runs (the C kernel, with a
+layer's window where it has one, or torch's), the fp32 refinement of the top logits, and
 the gguf mode's C layer calls for families whose layer is the plain Llama one. Takes a flat batch of
 tokens (prefill chunks and decodes of many sequences together) and returns logits only for the rows
 asked for.
@@ -147,8 +147,8 @@ class LlamaModel:
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
-        if self.c_attention and arch.local_layers:  # the windowed layers run torch's kernel
-            attn += f"/window-attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}"
+        if self.c_attention and arch.local_layers:  # the windowed layers too, keys lo..p
+            attn += "-window"
         clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
         kv_tag = ("" if self.kv_dtype == resolve_kv_dtype("auto", dtype, device, True)
                   else f"/kv-{self.kv_dtype.name}")
@@ -313,11 +313,12 @@ class LlamaModel:
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, n_real: int, window: int = 0) -> torch.Tensor:
         """Attention for the fused layer loops; rows past ``n_real`` (padding) get zeros. A
-        sliding-window layer (``window`` > 0) runs torch's kernel with a window mask."""
-        if self.c_attention and not window:
+        sliding-window layer (``window`` > 0): keys ``[p - window + 1, p]`` (the C kernel reads
+        only those; torch's masks the others)."""
+        if self.c_attention:
             plan = meta.row_plan(q.shape[0])
             return self.fused.attention(q, k_cache, v_cache, plan.tables, plan.seq, plan.pos,
-                                        self.scale)
+                                        self.scale, window=window)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.scratch, window)
         if q.shape[0] > n_real:
             o[n_real:] = 0  # padding rows attend to nothing

@@ -64,11 +64,11 @@ int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm, fl
 }
 
 int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
-                      int64_t tstride, const int64_t *seq, const int64_t *pos);
+                      int64_t tstride, const int64_t *seq, const int64_t *pos, int64_t window);
 int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *k_cache,
               const void *v_cache, int kv, int64_t bs, const int64_t *tables, int64_t tstride,
-              const int64_t *seq, const int64_t *pos, float scale, float *out, int threads,
-              int portable);
+              const int64_t *seq, const int64_t *pos, int64_t window, float scale, float *out,
+              int threads, int portable);
 
 /* Fields of a layer's row in qg_layers' table: pointers (as integers). */
 enum { QL_IN_NORM, QL_POST_NORM, QL_QKV, QL_QKV_BIAS, QL_O, QL_GU, QL_DOWN, QL_K_CACHE, QL_V_CACHE,
@@ -89,7 +89,7 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
                   int64_t n_slots, int kv, int64_t bs, int64_t pool_blocks, const int64_t *tables,
                   int64_t tstride, const int64_t *seq, const int64_t *attn_pos, float scale,
                   int threads) {
-    if (attn_check_tables(rows, bs, pool_blocks, tables, tstride, seq, attn_pos))
+    if (attn_check_tables(rows, bs, pool_blocks, tables, tstride, seq, attn_pos, 0))
         return -2; /* once for every layer: they read the same tables */
     float *q = malloc((size_t)(rows * (2 * nh * hd + dim)) * sizeof(float));
     if (!q) return -1;
@@ -103,7 +103,7 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
                            rope_pos, q, kc, vc, kv, slots, n_slots, threads);
         if (!bad)
             bad = attn_rows(q, rows, nh, nkv, hd, kc, vc, kv, bs, tables, tstride, seq, attn_pos,
-                            scale, o, threads, 0);
+                            0, scale, o, threads, 0); /* the plain Llama layer: no window */
         if (!bad && qg_layer_post(o, nh * hd, h, (const float *)f[QL_POST_NORM], eps, rows, dim,
                                   (const uint8_t *)f[QL_O], (const uint8_t *)f[QL_GU], inter,
                                   (const uint8_t *)f[QL_DOWN], pending, threads))
