@@ -36,16 +36,18 @@ def shapes(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     return out
 
 
-def inputs(keys: list[int], rows: list[int], g: torch.Generator):
-    """q, the pools and the row plan (tables, seq, pos) for one call."""
+def inputs(keys: list[int], rows: list[int], g: torch.Generator, nh: int = NH, nkv: int = NKV,
+           hd: int = HD):
+    """q, the pools and the row plan (tables, seq, pos) for one call (default: the default
+    model's heads)."""
     width = max(-(-n // BS) for n in keys)
     blocks = width * len(keys)
-    k = torch.randn(blocks, BS, NKV, HD, generator=g).to(torch.bfloat16)
-    v = torch.randn(blocks, BS, NKV, HD, generator=g).to(torch.bfloat16)
+    k = torch.randn(blocks, BS, nkv, hd, generator=g).to(torch.bfloat16)
+    v = torch.randn(blocks, BS, nkv, hd, generator=g).to(torch.bfloat16)
     tables = torch.randperm(blocks, generator=g).reshape(len(keys), width)
     seq = torch.cat([torch.full((r,), i) for i, r in enumerate(rows)])
     pos = torch.cat([torch.arange(n - r, n) for n, r in zip(keys, rows)])
-    return torch.randn(len(seq), NH, HD, generator=g), k, v, tables, seq, pos
+    return torch.randn(len(seq), nh, hd, generator=g), k, v, tables, seq, pos
 
 
 def main() -> None:

@@ -18,14 +18,20 @@ previous path, routed to by wrapping ``LlamaModel._attend``), alternating, best 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
-from hotprefix.model import fused
-from hotprefix.model.attention import AttentionMetadata, GatherScratch, PrefillSeq, paged_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attn  # noqa: E402
 
-NH, NKV, HD, BS, WINDOW = 4, 1, 256, 16, 512
+from hotprefix.model import fused  # noqa: E402
+from hotprefix.model.attention import AttentionMetadata, GatherScratch, PrefillSeq, paged_attention  # noqa: E402
+
+NH, NKV, HD, WINDOW = 4, 1, 256, 512
+BS = bench_attn.BS
 
 
 def shapes() -> list[tuple[str, list[int], list[int]]]:
@@ -37,14 +43,8 @@ def shapes() -> list[tuple[str, list[int], list[int]]]:
 
 
 def inputs(keys: list[int], rows: list[int], g: torch.Generator):
-    width = max(-(-n // BS) for n in keys)
-    blocks = width * len(keys)
-    k = torch.randn(blocks, BS, NKV, HD, generator=g).to(torch.bfloat16)
-    v = torch.randn(blocks, BS, NKV, HD, generator=g).to(torch.bfloat16)
-    tables = torch.randperm(blocks, generator=g).reshape(len(keys), width)
-    seq = torch.cat([torch.full((r,), i) for i, r in enumerate(rows)])
-    pos = torch.cat([torch.arange(n - r, n) for n, r in zip(keys, rows)])
-    q = torch.randn(len(seq), NH, HD, generator=g)
+    """``bench_attn.inputs`` at this shape, and the torch path's metadata for the same call."""
+    q, k, v, tables, seq, pos = bench_attn.inputs(keys, rows, g, NH, NKV, HD)
     if rows[0] == 1:
         meta = AttentionMetadata(slot_mapping=torch.zeros(len(keys), dtype=torch.long),
                                  num_decode=len(keys), decode_block_tables=tables,
