@@ -11,6 +11,7 @@ import torch
 
 from hotprefix.model import fused
 from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq
+from hotprefix.model.kv_dtype import quantize_int8
 from isa_support import level_lib
 
 pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler")
@@ -24,9 +25,11 @@ def _first(p: int, window: int) -> int:
 
 
 def _pool(nkv, hd, bs, dtype, g):
-    k = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
-    v = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
-    return k, v
+    k = torch.randn(NB, bs, nkv, hd, generator=g)
+    v = torch.randn(NB, bs, nkv, hd, generator=g)
+    if dtype == torch.int8:  # rows of int8 values and their scale (kv_dtype.py)
+        return quantize_int8(k), quantize_int8(v)
+    return k.to(dtype), v.to(dtype)
 
 
 def _attend(lib, k, v, q, tables, seq, pos, window, threads=2, portable=False):
@@ -121,14 +124,15 @@ def _calls(n, bs):
     return [(0, n), (0, 17), (5, 300), (16, 16), (n - 100, 100), (n - 1, 1), (1, n - 1), (250, 280)]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-def test_row_bits_independent_of_chunking_batch_threads_path_and_level(window):
+@pytest.mark.parametrize("window,dtype", [(w, torch.bfloat16) for w in WINDOWS]
+                         + [(w, torch.int8) for w in (5, 40, 300)])
+def test_row_bits_independent_of_chunking_batch_threads_path_and_level(window, dtype):
     """Every row of a 700-key sequence, attended in one call, in chunks cut elsewhere, as a
     decode alone, beside two other decodes (one sharing its blocks), on 1 and 2 threads, on the
-    portable path, and at the portable and AVX2 levels: the same bits."""
+    portable path, and at the portable and AVX2 levels: the same bits (bf16 and int8 pools)."""
     bs, nh, nkv, hd = 16, 8, 2, 64
     g = torch.Generator().manual_seed(window)
-    k, v = _pool(nkv, hd, bs, torch.bfloat16, g)
+    k, v = _pool(nkv, hd, bs, dtype, g)
     n = 700
     table = torch.randperm(NB, generator=g)[: -(-n // bs)].tolist()
     q = torch.randn(n, nh, hd, generator=g)
