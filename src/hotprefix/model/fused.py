@@ -54,9 +54,9 @@ SOURCES = [Path(__file__).with_name(f)
            for f in ("isa.c", "fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
 (``qlinear.py``), attention, and the logits' top-k and argmax."""
-HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h")]
-"""Included by the sources (the vector path each level compiles; the KV pool's element types):
-part of the build key."""
+HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h")]
+"""Included by the sources (the vector path each level compiles; the KV pool's element types;
+attention's per-chunk arithmetic): part of the build key."""
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 """No FMA contraction and no fast-math: the kernels' bits are those of the source. OpenMP binds to
 the libgomp torch already loaded (same soname), so both share one thread pool. The level's -march
