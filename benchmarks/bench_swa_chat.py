@@ -77,9 +77,13 @@ CONFIGS = {  # label -> (kind, extra server args)
     "full": ("hotprefix", [HYBRID_FLAG]),
     "llama": ("llama", []),
     "llama-swa-full": ("llama", ["--swa-full"]),
+    # not in the default set: the hybrid pool with a KV tier in host RAM below it (more memory than
+    # the others: the pool's bytes plus the tier's, labelled as such)
+    "hybrid-host": ("hotprefix", ["--kv-store", "host:{host_tier}"]),
 }
 LABELS = {"hybrid": "hotprefix hybrid", "full": "hotprefix full KV (baseline)",
-          "llama": "llama-server", "llama-swa-full": "llama-server --swa-full"}
+          "llama": "llama-server", "llama-swa-full": "llama-server --swa-full",
+          "hybrid-host": "hotprefix hybrid + a host-RAM KV tier (--host-tier)"}
 BASELINE = "full"
 
 _COMPANIES = ["Harbor Logistics", "Northwind Clinic", "Bluefin Insurance", "Atlas Robotics",
@@ -416,6 +420,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--pool-sessions", type=float, default=None,
                     help="sessions' full K/V the pool holds at the baseline (6; --quick 3)")
     ap.add_argument("--max-tokens", type=int, default=32, help="reply cap per turn")
+    ap.add_argument("--host-tier", default="128MiB",
+                    help="the hybrid-host contender's host-RAM KV tier size (beyond the pool's bytes)")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="turns in flight, llama-server's -np (4; --quick 2)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -553,6 +559,7 @@ def run(args, gguf: str) -> int:
         label = LABELS[name]
         info: dict[str, Any] = {"label": label}
         if kind == "hotprefix":
+            extra = [x.format(host_tier=args.host_tier) for x in extra]
             srv = hotprefix_server(name, extra, args, num_blocks, logdir)
         else:
             cache_ram = args.llama_cache_ram

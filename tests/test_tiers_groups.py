@@ -12,6 +12,7 @@ import glob
 import os
 import shutil
 import struct
+import time
 
 import pytest
 import torch
@@ -373,4 +374,37 @@ def test_windows_the_pool_lost_come_back_from_the_tier(gemma_dir, tmp_path, cold
             assert o2.num_cached_tokens == 0 and rep.miss_reason == MissReason.WINDOW_EVICTED
             assert _disk(llm)["hit_blocks"] - before == lost - (N_BLOCKS - WINDOW_BLOCKS)
         assert _disk(llm)["corrupt"] == 0
+        _idle(llm)
+
+
+@pytest.mark.parametrize("layout,num_blocks", [("hybrid", 10), ("full", 26)])
+def test_a_tier_install_while_ordering_admissions_never_leaves_a_stale_hit(gemma_dir, cold, layout,
+                                                                          num_blocks):
+    """A's prefix is in the pool, B's only in the host tier, and the pool (60 pages hybrid, 26 blocks full KV) has no room
+    for both. Both wait together: ordering them looks A up, then B, whose lookup installs B's
+    blocks from the tier and evicts A's. A is looked up again before it is admitted (before, its
+    stale hit reached the allocation: in the hybrid pool a KeyError on a window page that was
+    gone, the engine step failed and both requests with it; in a full-KV pool A was admitted on
+    blocks that now held B's K/V and generated other tokens: a wrong hit).
+    Both exact, nothing left in use."""
+    pa, pb = _prompt(6, cold.vocab), _prompt(7, cold.vocab)
+    kw = {"disable_hybrid_kv_cache_manager": True} if layout == "full" else {}
+    with _llm(gemma_dir, ["host:64MiB"], num_blocks=num_blocks, max_num_batched_tokens=64, **kw) as llm:
+        _run(llm, pb)
+        llm.engine.cache.tiers.tiers.flush()
+        llm.reset_prefix_cache()
+        assert _run(llm, pa)[1] == cold(6)
+        eng = llm.engine
+        ra, rb = eng.add_request(pa, P), eng.add_request(pb, P)
+        t0 = time.monotonic()
+        while eng.cache.tier_pending(rb) and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        before = eng.cache.pool.num_evictions
+        outs = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = (o.token_ids, o.outputs[0].logprobs)
+        assert eng.cache.pool.num_evictions > before  # the install did evict
+        assert outs[ra.request_id] == cold(6) and outs[rb.request_id] == cold(7)
         _idle(llm)

@@ -160,27 +160,32 @@ class Scheduler:
         out.preempted.append(victim)
         out.chunks = [c for c in out.chunks if c.request is not victim]
 
-    def _order(self, window: list[Request]) -> list[tuple[Request, list | None]]:
+    def _order(self, window: list[Request]) -> list[tuple[Request, list | None, int]]:
         """The window of waiting requests in admission order, with their cache hits when already
-        looked up."""
+        looked up and the pool's eviction count just after each lookup (a later lookup that
+        installs a KV tier's blocks may evict what an earlier one returned)."""
+        pool = self.manager.pool
         if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
-            return [(r, None) for r in window]
-        hits = {r.request_id: self.manager.lookup(r) for r in window}
+            return [(r, None, pool.num_evictions) for r in window]
+        hits = {}
+        for r in window:
+            hits[r.request_id] = (self.manager.lookup(r), pool.num_evictions)
         overdue = [r for r in window if r.num_skips >= self.config.max_skips]
         rest = [r for r in window if r.num_skips < self.config.max_skips]
-        rest.sort(key=lambda r: -len(hits[r.request_id]))  # stable: FCFS among equal hits
-        return [(r, hits[r.request_id]) for r in overdue + rest]
+        rest.sort(key=lambda r: -len(hits[r.request_id][0]))  # stable: FCFS among equal hits
+        return [(r, *hits[r.request_id]) for r in overdue + rest]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Request] = []
         fcfs = list(self.waiting)[:ADMISSION_WINDOW]
-        for req, hits in self._order(fcfs):
+        for req, hits, evictions in self._order(fcfs):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self.manager.tier_pending(req):
                 continue  # its prefix is being read from a KV tier: admit it when that is done
-            if hits is None or admitted:
-                # an admission above may have evicted blocks an earlier lookup returned
+            if hits is None or admitted or self.manager.pool.num_evictions != evictions:
+                # an admission above, or another request's tier install, may have evicted blocks
+                # (or window pages) that this lookup returned: never admit on a stale hit
                 hits = self.manager.lookup(req)
             if self.manager.inflight_owner(req, len(hits)) is not None:
                 continue  # its next block is being computed right now: reuse it next step
