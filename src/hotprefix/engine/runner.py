@@ -22,7 +22,6 @@ import os
 import torch
 
 from hotprefix.cache.kv_groups import GroupLayout, plan_groups
-from hotprefix.cache.window_groups import PAD
 from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.request import Request
 from hotprefix.engine.scheduler import ScheduledChunk
@@ -348,15 +347,9 @@ class ModelRunner:
                     slots = [-1] * bs
                     for q in range(p, tile_end):
                         slots[q % bs] = bt[b] * bs + q % bs
-                    tile_bt = bt[:b + 1]
-                    if self.model.c_attention and PAD in tile_bt:
-                        # the tile's rows before p (padding: not written, not read) have windows
-                        # that start before the group's blocks: the C kernel reads every row's
-                        # window, so those entries name a block held (their rows' output is dropped)
-                        tile_bt = [x if x != PAD else bt[b] for x in tile_bt]
                     metas.append(AttentionMetadata(
                         slot_mapping=torch.tensor(slots, device=dev), has_padding=True, masks=masks,
-                        prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(tile_bt, device=dev))]))
+                        prefills=[PrefillSeq(0, bs, (b + 1) * bs, torch.tensor(bt[:b + 1], device=dev))]))
                 positions = torch.arange(b * bs, (b + 1) * bs, device=dev)
                 logits = self.model.forward(torch.tensor(ids, device=dev), positions, self.kv_caches,
                                             self._per_layer(metas), None)

@@ -167,9 +167,7 @@ class Scheduler:
         pool = self.manager.pool
         if not self.config.cache_aware or not self.manager.enabled or len(window) < 2:
             return [(r, None, pool.num_evictions) for r in window]
-        hits = {}
-        for r in window:
-            hits[r.request_id] = (self.manager.lookup(r), pool.num_evictions)
+        hits = {r.request_id: (self.manager.lookup(r), pool.num_evictions) for r in window}
         overdue = [r for r in window if r.num_skips >= self.config.max_skips]
         rest = [r for r in window if r.num_skips < self.config.max_skips]
         rest.sort(key=lambda r: -len(hits[r.request_id][0]))  # stable: FCFS among equal hits

@@ -146,6 +146,9 @@ def _plan_rows(meta: AttentionMetadata, n: int) -> RowPlan:
         past = p.context_len - (p.q_end - p.q_start)
         seq[p.q_start:p.q_end] = nd + i
         pos[p.q_start:p.q_end] = torch.arange(past, p.context_len, device=dev)
+    if meta.has_padding:  # rows whose K/V is not written (a tile's rows outside its chunk) are
+        slots = meta.slot_mapping[:n]  # padding: their keys, or their window's, may be gone
+        seq[:slots.shape[0]][slots < 0] = -1
     return RowPlan(packed, seq, pos)
 
 
