@@ -429,6 +429,33 @@ static inline __attribute__((always_inline)) void pv_avx2(const void *vc, int kv
 }
 #endif
 
+/* The vector paths' vectors j0 + live[i] (i < the count returned) that have keys in the chunk at
+ * k0: keys nf[i] .. nv[i] - 1 of it (the others masked), as the portable path picks them. */
+static inline int live_vectors(int64_t j0, int64_t nq, int64_t g, const int64_t *rpos,
+                               const int64_t *rlo, int64_t k0, int *live, int *nf, int *nv) {
+    int nlive = 0;
+    for (int b = 0; b < QB && j0 + b < nq; b++) {
+        const int64_t valid = rpos[(j0 + b) / g] - k0 + 1, first = rlo[(j0 + b) / g] - k0;
+        if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
+        live[nlive] = b;
+        nf[nlive] = first > 0 ? (int)first : 0;
+        nv[nlive++] = valid < CH ? (int)valid : CH;
+    }
+    return nlive;
+}
+
+/* For nvec live vectors sharing a PV pass: their accumulators (o[v] = acc0 + live[v] * hd, acc0
+ * the accumulators of vector j0), the latest first key kf and the fewest keys kmin of any. */
+static inline void pv_group(const int *live, const int *nf, const int *nv, int nvec, float *acc0,
+                            int64_t hd, float **o, int *kf, int *kmin) {
+    *kmin = CH, *kf = 0;
+    for (int v = 0; v < nvec; v++) {
+        *kmin = nv[v] < *kmin ? nv[v] : *kmin;
+        *kf = nf[v] > *kf ? nf[v] : *kf;
+        o[v] = acc0 + live[v] * hd;
+    }
+}
+
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows read keys rlo..rpos of
  * their row (j / g): scores, online softmax state (m, l) and accumulators acc[j][hd] updated;
  * vectors >= nq, and those with no key in the chunk, untouched. */
@@ -456,15 +483,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
          * phases across the vectors (each phase's vectors independent of each other), so that
          * the long dependency chains of the max, the exponentials and the sums overlap, and the
          * value rows are loaded once for up to PV_VECS vectors. */
-        int live[QB], nv[QB], nf[QB], nlive = 0;
+        int live[QB], nv[QB], nf[QB];
+        const int nlive = live_vectors(j0, nq, g, rpos, rlo, k0, live, nf, nv);
         float mn[QB], alpha[QB], p[QB][CH];
-        for (int b = 0; b < QB && j0 + b < nq; b++) {
-            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1, first = rlo[(j0 + b) / g] - k0;
-            if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
-            live[nlive] = b;
-            nf[nlive] = first > 0 ? (int)first : 0;
-            nv[nlive++] = valid < CH ? (int)valid : CH;
-        }
         __m512 sb[QB];
         for (int i = 0; i < nlive; i++) {
             const int b = live[i];
@@ -487,13 +508,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         }
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
-            int kmin = CH, kf = 0;
+            int kmin, kf;
             float *o[PV_VECS];
-            for (int i = i0; i < i0 + nvec; i++) {
-                kmin = nv[i] < kmin ? nv[i] : kmin;
-                kf = nf[i] > kf ? nf[i] : kf;
-                o[i - i0] = acc + (j0 + live[i]) * hd;
-            }
+            pv_group(live + i0, nf + i0, nv + i0, nvec, acc + j0 * hd, hd, o, &kf, &kmin);
             const int *f = nf + i0, *e = nv + i0;
             switch (nvec) { /* a constant count each: the accumulators stay in registers */
             case 1: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
@@ -518,15 +535,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             if (nq - j0 > QB / 2)
                 scores_avx2(qj + QB / 2 * hd, kt, kc, kv, kb, ks, nk, hd, s + QB / 2, QB / 2, 0);
         }
-        int live[QB], nv[QB], nf[QB], nlive = 0;
+        int live[QB], nv[QB], nf[QB];
+        const int nlive = live_vectors(j0, nq, g, rpos, rlo, k0, live, nf, nv);
         float mo[QB] = {0}, mc[QB] = {0}, mn[QB], alpha[QB], p[QB][CH];
-        for (int b = 0; b < QB && j0 + b < nq; b++) {
-            const int64_t valid = rpos[(j0 + b) / g] - k0 + 1, first = rlo[(j0 + b) / g] - k0;
-            if (valid <= 0 || first >= CH) continue; /* no key of this row in the chunk */
-            live[nlive] = b;
-            nf[nlive] = first > 0 ? (int)first : 0;
-            nv[nlive++] = valid < CH ? (int)valid : CH;
-        }
         /* masked keys and NaN scores -inf (fmaxf skips a NaN; its p is 0 either way) */
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         __m256 sb[QB][2];
@@ -568,13 +579,9 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
         const int vkv = nq > QB / 2 ? KV_FP32 : kv;
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
-            int kmin = CH, kf = 0;
+            int kmin, kf;
             float *o[PV_VECS];
-            for (int i = i0; i < i0 + nvec; i++) {
-                kmin = nv[i] < kmin ? nv[i] : kmin;
-                kf = nf[i] > kf ? nf[i] : kf;
-                o[i - i0] = acc + (j0 + live[i]) * hd;
-            }
+            pv_group(live + i0, nf + i0, nv + i0, nvec, acc + j0 * hd, hd, o, &kf, &kmin);
             const int *f = nf + i0, *e = nv + i0;
             switch (nvec) {
             case 1: pv_avx2(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
