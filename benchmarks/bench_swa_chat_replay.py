@@ -53,6 +53,7 @@ from hotprefix.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hotprefix.engine.request import Request  # noqa: E402
 from hotprefix.engine.scheduler import Scheduler  # noqa: E402
 from hotprefix.sampling import SamplingParams  # noqa: E402
+from hotprefix.server.message_ends import NO_ENDS, MessageEnds  # noqa: E402
 from hotprefix.server.message_ends import message_ends as server_message_ends  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def reply_ids(tok, session: int, turn: int, n: int) -> list[int]:
     return tok.encode("".join(next(gen) for _ in range(4)).strip(), add_special_tokens=False)[:n]
 
 
-def message_ends(tok, msgs: list[dict[str, str]], ids: list[int]) -> tuple[int, ...]:
+def message_ends(tok, msgs: list[dict[str, str]], ids: list[int]) -> MessageEnds:
     """``server/message_ends.message_ends`` itself, its tokenizer calls made here (no executor)."""
     async def encode(fn, *args):
         return fn(*args)
@@ -117,9 +118,10 @@ def replay(tok, sessions, args, layout, pages: int, account: bool = False) -> di
             s, t = jobs.popleft()
             msgs = history[s.sid] + [{"role": "user", "content": s.questions[t]}]
             ids = tok.encode_chat(msgs)
+            ends = message_ends(tok, msgs, ids) if layout.hybrid else NO_ENDS
             req = Request(f"s{s.sid}t{t}", list(ids), len(ids),
                           params=SamplingParams(max_tokens=args.max_tokens, temperature=0),
-                          hit_point_tokens=message_ends(tok, msgs, ids) if layout.hybrid else ())
+                          hit_point_tokens=ends.system, turn_end_tokens=ends.turns)
             sched.add(req)
             running[req.request_id] = (s, t, msgs, reply_ids(tok, s.sid, t, args.max_tokens))
             free_workers -= 1
@@ -139,7 +141,8 @@ def replay(tok, sessions, args, layout, pages: int, account: bool = False) -> di
             free_workers += 1
             rows.append({"session": s.sid, "turn": t, "prompt_tokens": r.num_prompt_tokens,
                          "cached_tokens": r.num_cached_tokens, "system_tokens": s.system_tokens,
-                         "hit_point_tokens": list(r.hit_point_tokens)})
+                         "hit_point_tokens": list(r.hit_point_tokens),
+                         "turn_end_tokens": list(r.turn_end_tokens)})
             if account and s.sid == sessions[-1].sid:  # a round of turns ended
                 rounds.append(round_figures(m, owner, sessions, layout, bs, t))
     m.pool.check_invariants()

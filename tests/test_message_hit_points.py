@@ -64,8 +64,9 @@ def _reset(s: LiveServer) -> None:
 
 @pytest.fixture
 def seen(srv, full_srv, monkeypatch):
-    """Every request the engines queue: (server, its prompt ids, its ``hit_point_tokens``)."""
-    log: list[tuple[LiveServer, list[int], tuple[int, ...]]] = []
+    """Every request the engines queue: (server, its prompt ids, every message end it marks, the
+    system ends among them: ``hit_point_tokens``; the rest are ``turn_end_tokens``)."""
+    log: list[tuple[LiveServer, list[int], tuple[int, ...], tuple[int, ...]]] = []
     for s in (srv, full_srv):
         _reset(s)
         eng = s.state.engine
@@ -73,7 +74,9 @@ def seen(srv, full_srv, monkeypatch):
 
         def add(*a, _orig=orig, _s=s, **kw):
             req = _orig(*a, **kw)
-            log.append((_s, list(req.token_ids), req.hit_point_tokens))
+            log.append((_s, list(req.token_ids),
+                        tuple(sorted(req.hit_point_tokens + req.turn_end_tokens)),
+                        req.hit_point_tokens))
             return req
         monkeypatch.setattr(eng, "add_request", add)
     yield log
@@ -155,9 +158,10 @@ def test_openai_chat_marks_the_system_end_and_the_last_two_turn_ends(srv, seen, 
                                                                      default_tokenizer):
     assert srv.state.marks_message_ends
     _chat(srv, CONVERSATION)
-    (server, ids, ends), = seen
+    (server, ids, ends, system), = seen
     assert server is srv and ids == _ids(default_tokenizer, CONVERSATION, True)
     assert ends == _expected_ends(default_tokenizer, CONVERSATION, [1, 5, 7])
+    assert system == ends[:1]  # the system end; the two turn ends give way to later turns
     assert _expected_ends(default_tokenizer, CONVERSATION, [3])[0] not in ends  # the first turn's
     assert encodes[srv] == 1 + len(ends)  # the prompt, then one cut per message end
 
@@ -166,10 +170,11 @@ def test_anthropic_messages_marks_the_system_end_and_the_turn_end(srv, seen, enc
                                                                    default_tokenizer):
     turns = CONVERSATION[1:4]
     _messages(srv, SYSTEM, turns)
-    (server, ids, ends), = seen
+    (server, ids, ends, system), = seen
     as_template = [{"role": "system", "content": SYSTEM}, *turns]
     assert server is srv and ids == _ids(default_tokenizer, as_template, True)
     assert ends == _expected_ends(default_tokenizer, as_template, [1, 3])
+    assert system == ends[:1]
     assert encodes[srv] == 1 + len(ends)
 
 
@@ -177,7 +182,7 @@ def test_full_attention_pool_tokenizes_nothing_more(full_srv, seen, encodes):
     assert not full_srv.state.marks_message_ends
     _chat(full_srv, CONVERSATION)
     _messages(full_srv, SYSTEM, CONVERSATION[1:4])
-    assert [(s is full_srv, e) for s, _, e in seen] == [(True, ()), (True, ())]
+    assert [(s is full_srv, e) for s, _, e, _ in seen] == [(True, ()), (True, ())]
     assert encodes[full_srv] == 2  # one tokenization per request: the prompt's
 
 

@@ -139,6 +139,75 @@ def test_evicting_a_full_block_takes_what_only_it_made_reachable():
     assert again.cache_report.cached_tokens == 32
 
 
+def _policy_takes(m: KVCacheManager, b) -> None:
+    """The policy evicts cached block ``b`` (as ``BlockPool.allocate`` does)."""
+    m.pool.policy.on_use(b)
+    m.pool.on_policy_evict(b)
+    m.pool._uncache(b, evicted=True)
+    m.pool.empty.append(b.block_id)
+    m.pool.check_invariants()
+
+
+def test_evicting_a_kept_window_block_cuts_the_chain_it_left_without_a_hit_point():
+    tokens = [1 + i % 9 for i in range(64)]       # 16 blocks
+    g = 1
+    # the only hit point is the sequence's end: the policy takes a block of its window, and the
+    # whole chain (full blocks and the rest of the window) serves no hit any more
+    m = hybrid(2000, window=WINDOW, groups=2)
+    r = run(m, "a", tokens, decode=8)
+    keys = list(m.keys(r))
+    evict_interior(m)
+    n = len(r.token_ids) // BS
+    _policy_takes(m, m.pool.index[group_key(keys[n - 1], g)])
+    for i in range(n):
+        assert m.pool.index[keys[i]].block_id in m.pool.low, i
+    evict_interior(m)
+    assert not m.pool.index  # nothing useless stays behind
+
+    # with an earlier kept point (a message end at block 8): the chain from it on is cut, the
+    # blocks before it and its window stay, and a later request resumes there
+    m = hybrid(2000, window=WINDOW, groups=2)
+    run(m, "a", tokens, decode=8, hit_point_tokens=(32,))
+    evict_interior(m)
+    _policy_takes(m, m.pool.index[group_key(keys[n - 2], g)])
+    evict_interior(m)
+    assert all(keys[i] in m.pool.index for i in range(8))
+    assert not any(keys[i] in m.pool.index for i in range(8, n))
+    assert run(m, "again", tokens + [7] * 4).cache_report.cached_tokens == 32
+
+    # a block of the earlier point's window that the later point does not read: the sequence's
+    # end is still whole, nothing else is cut
+    m = hybrid(2000, window=WINDOW, groups=2)
+    run(m, "a", tokens, decode=8, hit_point_tokens=(32,))
+    evict_interior(m)
+    lo = m.windows.first_needed(8 * BS)
+    assert lo < m.windows.first_needed(n * BS)
+    _policy_takes(m, m.pool.index[group_key(keys[lo], g)])
+    assert not any(m.pool.index[keys[i]].block_id in m.pool.low for i in range(n))
+    assert run(m, "again", list(r.token_ids) + [7] * 4).cache_report.cached_tokens == n * BS
+
+
+def test_a_later_turn_supersedes_turn_ends_but_not_the_system_end():
+    """``turn_end_tokens`` (an earlier turn of the conversation) give way to a later turn's end;
+    ``hit_point_tokens`` (the system prompt's end, where other conversations resume) do not."""
+    system = [1, 2, 3] * 10 + [4] * 10           # 40 tokens: 10 blocks
+    n_sys = len(system) // BS
+    for kind in ("hit_point_tokens", "turn_end_tokens"):
+        m = hybrid(2000, window=WINDOW, groups=2)
+        a = run(m, "a1", system + [5] * 8, decode=6, **{kind: (len(system),)})
+        a = run(m, "a2", list(a.token_ids) + [6] * 8, decode=6, **{kind: (len(system),)})
+        a = run(m, "a3", list(a.token_ids) + [7] * 8, decode=6)
+        lo_sys = m.windows.first_needed(n_sys * BS)
+        rows = window_state(m, m.keys(a), n_sys)
+        if kind == "hit_point_tokens":
+            assert all(set(row[lo_sys:n_sys]) == {"K"} for row in rows)
+        else:
+            assert not any("K" in row[lo_sys:n_sys] for row in rows), rows
+        evict_interior(m)
+        b = run(m, "b", system + [8] * 8)
+        assert b.cache_report.cached_tokens == (len(system) if kind == "hit_point_tokens" else 0)
+
+
 def test_a_dead_block_recomputed_is_alive_again():
     m = hybrid(2000, window=WINDOW, groups=2)
     tokens = [1 + i % 9 for i in range(64)]

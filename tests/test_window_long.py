@@ -58,7 +58,7 @@ def prompts(default_tokenizer) -> dict[str, list[int]]:
 @pytest.fixture(scope="module", params=[False, True], ids=["hybrid", "every-layer"])
 def llm(request, gemma_dir) -> LLM:
     return LLM(str(gemma_dir), num_blocks=1024, block_size=16, max_model_len=4096,
-               max_num_batched_tokens=4096, num_threads=2,
+               max_num_batched_tokens=4096, window_prefill_chunk=0, num_threads=2,
                disable_hybrid_kv_cache_manager=request.param)
 
 
@@ -123,3 +123,33 @@ def test_greedy_tokens_and_logprobs_cold_warm_and_batched(llm, prompts):
         assert out.token_ids == cold.token_ids
         assert out.outputs[0].logprobs == cold.outputs[0].logprobs
     assert llm.engine.cache.pool.num_in_use == 0
+
+
+def test_the_hybrid_pools_prefill_chunk_cap_changes_no_bit(llm, gemma_dir, prompts):
+    """``window_prefill_chunk`` (default 256): a hybrid pool computes a long prompt in chunks of
+    at most 256 tokens, a pool that keeps every layer's K/V in one 4,096-token step; the greedy
+    tokens and log probabilities equal those of the whole prompt in one step (``llm``: no cap)."""
+    if llm.config.cache.disable_hybrid_kv_cache_manager:
+        pytest.skip("one comparison is enough")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    llm.reset_prefix_cache()
+    whole = llm.generate([prompts["prompt"]], params)[0]
+    for every_layer in (False, True):
+        capped = LLM(str(gemma_dir), num_blocks=1024, block_size=16, max_model_len=4096,
+                     max_num_batched_tokens=4096, num_threads=2,
+                     disable_hybrid_kv_cache_manager=every_layer)
+        eng = capped.engine
+        assert eng.config.scheduler.window_prefill_chunk == 256
+        req = eng.add_request(list(prompts["prompt"]), params)
+        step = eng.scheduler.schedule()  # the first step of a cold prompt
+        assert [(c.request, c.num_tokens) for c in step.chunks] == [
+            (req, PROMPT_LEN if every_layer else 256)]
+        eng.scheduler.update(step, {})
+        eng.abort(req.request_id)
+        if not every_layer:
+            capped.reset_prefix_cache()  # the aborted step cached its first 256 tokens
+            out = capped.generate([prompts["prompt"]], params)[0]
+            assert out.num_cached_tokens == 0
+            assert out.token_ids == whole.token_ids
+            assert out.outputs[0].logprobs == whole.outputs[0].logprobs
+        assert eng.cache.pool.num_in_use == 0

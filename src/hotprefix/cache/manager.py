@@ -286,9 +286,10 @@ class KVCacheManager:
         """Block counts where later requests are expected to resume (``window_groups``)."""
         bs = self.block_size
         points: dict[int, str] = {}
-        for end in req.hit_point_tokens:
-            if req.retains(end // bs - 1):  # a tenant's message ends keep its own blocks only
-                points.setdefault(end // bs, "message_end")
+        for ends, kind in ((req.hit_point_tokens, "message_end"), (req.turn_end_tokens, "turn_end")):
+            for end in ends:
+                if req.retains(end // bs - 1):  # a tenant's message ends keep its own blocks only
+                    points.setdefault(end // bs, kind)
         for end, _ in req.pin_breakpoints:
             points.setdefault(end // bs, "breakpoint")
         cacheable = cacheable_blocks(req.num_prompt_tokens, bs)

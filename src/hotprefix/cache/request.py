@@ -40,10 +40,14 @@ class CacheRequest:
     probabilities need each position's logits); the report's reason is ``read_skipped``. Its
     blocks are still written."""
     hit_point_tokens: tuple[int, ...] = ()
-    """Token offsets where later requests are expected to resume (the ends of the system prompt
-    and of each message): a hybrid pool keeps the sliding-window layers' K/V before them. With a
+    """Token offsets where later requests are expected to resume (the end of the system prompt:
+    other conversations): a hybrid pool keeps the sliding-window layers' K/V before them. With a
     tenant salt, only ends past the blocks that tenants share count (as for ``retains``). The
     server marks them on a hybrid pool (``hotprefix.server.message_ends``)."""
+    turn_end_tokens: tuple[int, ...] = ()
+    """Token offsets where earlier turns of this conversation end (a regenerated or edited last
+    message resumes there): hit points as ``hit_point_tokens`` are, except that a later turn's end
+    supersedes them (``cache/window_keep.py``)."""
     fleet_seq: int | None = None
     """In a fleet, the router's count of the requests it had routed when it routed this one
     (every replica's): the eviction policy's clock advances by the fleet's requests since this

@@ -139,7 +139,8 @@ class AsyncEngine:
         """Queue a request; its outputs arrive on the returned stream.
 
         ``options`` go to ``LLMEngine.add_request`` (cache_salt, salt_from_block, cache_write,
-        priority, pin_ttl_s, pin_breakpoints, expect_reuse, hit_point_tokens, fleet_seq);
+        priority, pin_ttl_s, pin_breakpoints, expect_reuse, hit_point_tokens, turn_end_tokens,
+        fleet_seq);
         ``user_data`` is stored on the Request before it can run.
         Raises QueueFull, or what ``add_request`` raises (RequestRejected, SamplingError, ValueError).
         """

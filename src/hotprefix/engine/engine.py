@@ -162,13 +162,14 @@ class LLMEngine:
                     pin_ttl_s: float = 0.0, arrival_time: float | None = None,
                     pin_breakpoints: Sequence[tuple[int, float]] = (),
                     expect_reuse: bool = False, hit_point_tokens: Sequence[int] = (),
-                    fleet_seq: int | None = None) -> Request:
+                    turn_end_tokens: Sequence[int] = (), fleet_seq: int | None = None) -> Request:
         """Queue a request. Raises RequestRejected (too long, empty) or ValueError (bad ids).
 
         The cache controls (``cache_write``, ``priority``, ``pin_ttl_s``, ``pin_breakpoints``,
-        ``expect_reuse``, ``hit_point_tokens``) and ``fleet_seq`` (a fleet's request number, for
-        the eviction clock) are described on ``hotprefix.cache.request.CacheRequest``; every
-        sequence of the request carries the same ``fleet_seq``.
+        ``expect_reuse``, ``hit_point_tokens``, ``turn_end_tokens``) and ``fleet_seq`` (a fleet's
+        request number, for the eviction clock) are described on
+        ``hotprefix.cache.request.CacheRequest``; every sequence of the request carries the same
+        ``fleet_seq``.
         """
         params = params or SamplingParams()
         params.validate()  # again: a field may have been changed since it was made
@@ -194,6 +195,7 @@ class LLMEngine:
                         pin_breakpoints=tuple((int(t), float(s)) for t, s in pin_breakpoints),
                         expect_reuse=expect_reuse, read_cache=params.prompt_logprobs is None,
                         hit_point_tokens=tuple(int(t) for t in hit_point_tokens),
+                        turn_end_tokens=tuple(int(t) for t in turn_end_tokens),
                         fleet_seq=None if fleet_seq is None else int(fleet_seq),
                         params=params, generator=make_generator(params, i), index=i, group_id=rid)
                 for i in range(params.num_sequences)]

@@ -32,8 +32,11 @@ PROMPT_LOGPROBS_CHUNK = 256
 needs a row of logits (4 bytes x the vocabulary) in that step."""
 
 
-def chunk_limit(req: Request, budget: int) -> int:
-    """The most tokens ``req`` may compute in one step given the step's remaining budget."""
+def chunk_limit(req: Request, budget: int, window_chunk: int = 0) -> int:
+    """The most tokens ``req`` may compute in one step given the step's remaining budget
+    (``window_chunk``: a hybrid pool's cap, ``SchedulerConfig.window_prefill_chunk``)."""
+    if window_chunk > 0:
+        budget = min(budget, window_chunk)
     return min(budget, PROMPT_LOGPROBS_CHUNK) if req.params.prompt_logprobs is not None else budget
 
 
@@ -76,6 +79,7 @@ class Scheduler:
         self.manager = manager
         self.max_model_len = max_model_len
         self.block_size = manager.block_size
+        self.window_chunk = config.window_prefill_chunk if manager.windows is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -90,6 +94,8 @@ class Scheduler:
                 f"{self.max_model_len} (prompt + at least one generated token must fit)",
                 "context_length_exceeded")
         chunk = self.config.max_num_batched_tokens
+        if self.window_chunk > 0:
+            chunk = min(chunk, self.window_chunk)
         if self.manager.pages_to_hold(num_prompt_tokens + 1, chunk) > self.manager.pool.num_blocks:
             raise RequestRejected(
                 f"the prompt has {num_prompt_tokens} tokens, more than the KV pool holds "
@@ -123,7 +129,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, chunk_limit(req, budget))
+            n = min(req.num_tokens - req.num_computed_tokens, chunk_limit(req, budget, self.window_chunk))
             if n <= 0:
                 i += 1
                 continue
@@ -188,7 +194,7 @@ class Scheduler:
             if self.manager.inflight_owner(req, len(hits)) is not None:
                 continue  # its next block is being computed right now: reuse it next step
             num_computed = len(hits) * self.block_size
-            n = min(req.num_tokens - num_computed, chunk_limit(req, budget))
+            n = min(req.num_tokens - num_computed, chunk_limit(req, budget, self.window_chunk))
             if not self.manager.allocate(req, n, num_computed, hits):
                 break  # pool full: keep the order, retry next step
             if req.num_cached_tokens < 0:

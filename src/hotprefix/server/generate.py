@@ -29,7 +29,7 @@ from hotprefix.server import tools as T
 from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import SUBMIT_ERRORS, engine_error, rejection
 from hotprefix.server.fleet_seq import fleet_seq
-from hotprefix.server.message_ends import message_ends
+from hotprefix.server.message_ends import NO_ENDS, MessageEnds, message_ends
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import LogprobView, collect, stream_response
 from hotprefix.server.tenants import Tenant
@@ -56,13 +56,13 @@ class CacheHints:
     """The prompt is expected to recur (``prompt_cache_key``): admit its blocks, favour them."""
     breakpoints: tuple[tuple[int, float], ...] = ()
     """``(end token, ttl_s)``: pin the prompt's blocks up to each end token for that long."""
-    message_ends: tuple[int, ...] = ()
+    message_ends: MessageEnds = NO_ENDS
     """Token offsets where the system prompt and earlier turns end (``server/message_ends.py``):
-    hit points of a hybrid pool. The server's own, not the client's; empty on other pools."""
+    hit points of a hybrid pool. The server's own, not the client's; none on other pools."""
 
 
 def openai_hints(body: P.CompletionRequest | P.ChatCompletionRequest, num_prompt_tokens: int,
-                 message_ends: tuple[int, ...] = ()) -> CacheHints:
+                 message_ends: MessageEnds = NO_ENDS) -> CacheHints:
     """``prompt_cache_key`` and ``prompt_cache_retention`` as cache hints, with the chat's
     ``message_ends``."""
     keep = body.prompt_cache_retention == "24h"
@@ -89,7 +89,8 @@ def cache_options(state: ServerState, tenant: Tenant, ctl: P.CacheControl | None
             "pin_breakpoints": tuple((end, min(t, max_ttl)) for end, t in hints.breakpoints
                                      if min(t, max_ttl) > 0),
             "expect_reuse": hints.expect_reuse,
-            "hit_point_tokens": hints.message_ends}
+            "hit_point_tokens": hints.message_ends.system,
+            "turn_end_tokens": hints.message_ends.turns}
 
 
 def sampling(body: P._SamplingFields, max_tokens: int | None,
@@ -144,7 +145,7 @@ async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: 
 
 async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage],
                                param: str = "messages", functions: list[T.Function] | None = None,
-                               ends: bool = True) -> tuple[list[int], tuple[int, ...]]:
+                               ends: bool = True) -> tuple[list[int], MessageEnds]:
     """``chat_prompt``'s token ids and, with ``ends``, where its messages end
     (``message_ends``: empty unless the pool is hybrid)."""
     if not messages:
@@ -162,7 +163,7 @@ async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage]
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
         raise P.APIError(400, "The conversation renders to an empty prompt.", param=param)
-    return ids, (await message_ends(state, dicts, ids, tools) if ends else ())
+    return ids, (await message_ends(state, dicts, ids, tools) if ends else NO_ENDS)
 
 
 async def text_prompt(state: ServerState, prompt: Any, param: str) -> list[int]:
@@ -207,7 +208,7 @@ def finish(state: ServerState, out: RequestOutput, route: str, tenant: Tenant) -
 
 async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompletionRequest,
                   request: Request, tenant: Tenant, ids: list[int], max_tokens: int | None,
-                  chat: bool, constraint: C.Constraint, ends: tuple[int, ...] = ()) -> Response:
+                  chat: bool, constraint: C.Constraint, ends: MessageEnds = NO_ENDS) -> Response:
     route, field = ("chat", "messages") if chat else ("completions", "prompt")
     params = sampling(body, max_tokens, L.sampling_fields(body))
     if constraint.spec is not None:  # compiled now: a schema error is this request's 400

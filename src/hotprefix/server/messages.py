@@ -36,7 +36,7 @@ from hotprefix.server.deps import get_state, tenant_dep
 from hotprefix.server.errors import describe_validation, engine_error
 from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
                                        check_model, final_output, finish, submit)
-from hotprefix.server.message_ends import message_ends
+from hotprefix.server.message_ends import NO_ENDS, message_ends
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import Tenant
@@ -106,7 +106,7 @@ async def prompt_and_hints(state: ServerState, conv: A.Conversation,
             cut_ids = await state.encode(encode_prompt, state.tokenizer, with_tools(state, cut, functions),
                                          tools)
             breakpoints.append((common_prefix_len(ids, cut_ids), ttl))
-        ends = await message_ends(state, prompt.messages, ids, tools) if ids else ()
+        ends = await message_ends(state, prompt.messages, ids, tools) if ids else NO_ENDS
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages") from None
     if not ids:
