@@ -6,7 +6,8 @@ What the hybrid pool sees in ``bench_swa_chat.py`` (issue 28): ``--sessions`` (1
 (4) turns in flight, a session's next turn after its previous one, a pool of ``--pool-sessions``
 sessions' full K/V sized as bench_swa_chat sizes ``--num-blocks``. Each prompt is the session's
 messages rendered through ``gemma_chat_template.jinja``; the server's message ends
-(``server/message_ends.message_ends`` itself) are its ``hit_point_tokens``; the
+(``server/message_ends.message_ends`` itself) are its ``hit_point_tokens`` (system end) and
+``turn_end_tokens`` (earlier turns' ends); the
 requests run through ``engine.Scheduler`` over a ``KVCacheManager`` built as the engine builds it
 (``CacheConfig``'s policy and ghost list, ``SchedulerConfig``'s token budget), one step at a time,
 a new turn sent as soon as a worker is free. The one thing not real: the replies. The model's

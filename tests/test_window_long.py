@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
+from hotprefix.config import ConfigError, EngineConfig, SchedulerConfig
 from hotprefix.model.loader import load_model
 
 from model_support import save_random_model, step_last_logits
@@ -153,3 +154,15 @@ def test_the_hybrid_pools_prefill_chunk_cap_changes_no_bit(llm, gemma_dir, promp
             assert out.token_ids == whole.token_ids
             assert out.outputs[0].logprobs == whole.outputs[0].logprobs
         assert eng.cache.pool.num_in_use == 0
+
+
+def test_the_prefill_chunk_rule():
+    """The cap binds a hybrid pool only, never below one block nor above the step's budget; a
+    negative cap is refused."""
+    c = SchedulerConfig()
+    assert (c.prefill_chunk(True, 16), c.prefill_chunk(False, 16)) == (256, 2048)
+    assert c.prefill_chunk(True, 512) == 512 and c.prefill_chunk(True, 4096) == 2048
+    assert SchedulerConfig(window_prefill_chunk=0).prefill_chunk(True, 16) == 2048
+    assert SchedulerConfig(max_num_batched_tokens=100).prefill_chunk(True, 16) == 100
+    with pytest.raises(ConfigError, match="window_prefill_chunk"):
+        EngineConfig.from_options(window_prefill_chunk=-1)

@@ -195,7 +195,7 @@ class SchedulerConfig:
     """Most tokens (prefill chunks + decodes) in one step; longer prompts are chunked."""
     window_prefill_chunk: int = 256
     """On a hybrid pool (sliding-window layers), the most prompt tokens one request computes in
-    one step (0: ``max_num_batched_tokens``). A window group holds the window before a chunk
+    one step (0: ``max_num_batched_tokens``; never below one block). A window group holds the window before a chunk
     plus the chunk until it is computed, so a cold 1,800-token prompt of Gemma 3 270M held 690
     pages in one 2,048-token chunk and holds 360 in chunks of 256, evicting fewer of the windows
     that other sessions resume from (bench_swa_chat_replay, pool of 6 sessions: 12 sessions kept
@@ -208,6 +208,13 @@ class SchedulerConfig:
     """Admit waiting requests with the longest cached prefix first (bounded by max_skips)."""
     max_skips: int = 8
     """How many times a waiting request may be passed over by cache-aware ordering."""
+
+    def prefill_chunk(self, hybrid: bool, block_size: int) -> int:
+        """The most prompt tokens one request computes in one step: the step's budget, on a hybrid
+        pool capped at ``window_prefill_chunk`` (never below one block)."""
+        if hybrid and self.window_prefill_chunk > 0:
+            return min(self.max_num_batched_tokens, max(self.window_prefill_chunk, block_size))
+        return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

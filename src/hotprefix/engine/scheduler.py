@@ -9,6 +9,10 @@ prefix-cache lookup, its cached blocks are referenced, and only the rest is sche
     but none is passed over more than ``max_skips`` times (fairness);
   * in-flight sharing: a waiting request whose next block is being computed by a running request
     waits for it instead of computing the same tokens in the same step;
+  * one prompt part-way at a time (vLLM's ``max_num_partial_prefills`` = 1): a request whose
+    chunk would leave some of its prompt for later steps waits while another is part-way, so
+    prompts finish one after another (the first one's TTFT is not held back by the others') and
+    a hybrid pool holds one part-way prompt's window pages at a time, not every one's;
   * preemption by recompute: when the pool cannot supply a running request's next block, the most
     recently admitted request gives back its blocks and returns to the front of the queue (its
     blocks stay cached, so re-admission usually hits them).
@@ -32,11 +36,10 @@ PROMPT_LOGPROBS_CHUNK = 256
 needs a row of logits (4 bytes x the vocabulary) in that step."""
 
 
-def chunk_limit(req: Request, budget: int, window_chunk: int = 0) -> int:
-    """The most tokens ``req`` may compute in one step given the step's remaining budget
-    (``window_chunk``: a hybrid pool's cap, ``SchedulerConfig.window_prefill_chunk``)."""
-    if window_chunk > 0:
-        budget = min(budget, window_chunk)
+def chunk_limit(req: Request, budget: int, chunk: int) -> int:
+    """The most tokens ``req`` may compute in one step given the step's remaining budget and the
+    longest chunk (``SchedulerConfig.prefill_chunk``)."""
+    budget = min(budget, chunk)
     return min(budget, PROMPT_LOGPROBS_CHUNK) if req.params.prompt_logprobs is not None else budget
 
 
@@ -79,7 +82,7 @@ class Scheduler:
         self.manager = manager
         self.max_model_len = max_model_len
         self.block_size = manager.block_size
-        self.window_chunk = config.window_prefill_chunk if manager.windows is not None else 0
+        self.chunk = config.prefill_chunk(manager.windows is not None, manager.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -93,10 +96,7 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens, but this model's max_model_len is "
                 f"{self.max_model_len} (prompt + at least one generated token must fit)",
                 "context_length_exceeded")
-        chunk = self.config.max_num_batched_tokens
-        if self.window_chunk > 0:
-            chunk = min(chunk, self.window_chunk)
-        if self.manager.pages_to_hold(num_prompt_tokens + 1, chunk) > self.manager.pool.num_blocks:
+        if self.manager.pages_to_hold(num_prompt_tokens + 1, self.chunk) > self.manager.pool.num_blocks:
             raise RequestRejected(
                 f"the prompt has {num_prompt_tokens} tokens, more than the KV pool holds "
                 f"({self.manager.pool.num_blocks * self.block_size} tokens); raise kv_cache_memory",
@@ -126,11 +126,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        partial = False  # a prompt chunk that leaves some of its prompt for later steps
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, chunk_limit(req, budget, self.window_chunk))
-            if n <= 0:
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, chunk_limit(req, budget, self.chunk))
+            if n <= 0 or (partial and n < left):  # one prompt part-way per step
                 i += 1
                 continue
             while not self.manager.allocate(req, n, req.num_computed_tokens):
@@ -149,11 +151,12 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
                 budget -= n
+                partial = partial or n < left
                 i += 1
                 continue
             # req itself left the running list; the next request is now at index i
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, budget, partial)
         return out
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -179,7 +182,7 @@ class Scheduler:
         rest.sort(key=lambda r: -len(hits[r.request_id][0]))  # stable: FCFS among equal hits
         return [(r, *hits[r.request_id]) for r in overdue + rest]
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, partial: bool) -> None:
         admitted: list[Request] = []
         fcfs = list(self.waiting)[:ADMISSION_WINDOW]
         for req, hits, evictions in self._order(fcfs):
@@ -194,7 +197,10 @@ class Scheduler:
             if self.manager.inflight_owner(req, len(hits)) is not None:
                 continue  # its next block is being computed right now: reuse it next step
             num_computed = len(hits) * self.block_size
-            n = min(req.num_tokens - num_computed, chunk_limit(req, budget, self.window_chunk))
+            left = req.num_tokens - num_computed
+            n = min(left, chunk_limit(req, budget, self.chunk))
+            if partial and n < left:
+                continue  # a prompt is part-way this step already: start this one when it is done
             if not self.manager.allocate(req, n, num_computed, hits):
                 break  # pool full: keep the order, retry next step
             if req.num_cached_tokens < 0:
@@ -206,6 +212,7 @@ class Scheduler:
             admitted.append(req)
             out.chunks.append(ScheduledChunk(req, n, num_computed))
             budget -= n
+            partial = partial or n < left
         if admitted:
             ids = {r.request_id for r in admitted}
             for r in admitted:

@@ -152,8 +152,8 @@ def replay(reqs: Sequence[TraceRequest], capacity_tokens: int, policy: str | Non
             (``tier.StoreTier``): written through, serves the pool's misses it holds.
         layout: a hybrid pool's KV groups (``kv_groups.parse_layer_mix``): the same bytes as
             ``capacity_tokens`` of whole-model blocks, in pages of the groups' layers, with
-            the engine's window groups (``window_groups``); each request runs in chunks of
-            ``SchedulerConfig.max_num_batched_tokens`` so its window groups release as it goes.
+            the engine's window groups (``window_groups``); each request runs in the engine's
+            chunks (``SchedulerConfig.prefill_chunk``) so its window groups release as it goes.
     Returns:
         the measured ``SimResult`` (``per_request_hits`` filled when ``keep_per_request``).
     """
@@ -245,7 +245,7 @@ def _run_chunked(mgr: KVCacheManager, creq: CacheRequest, hits: list, n_tokens: 
     computed stays committed)."""
     bs = mgr.block_size
     done = len(hits) * bs
-    chunk = SchedulerConfig.max_num_batched_tokens
+    chunk = SchedulerConfig().prefill_chunk(True, bs)
     first = True
     while done < n_tokens:
         n = min(chunk, n_tokens - done)
