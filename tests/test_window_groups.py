@@ -186,12 +186,14 @@ class HybridMachine(RuleBasedStateMachine):
         self.m = hybrid(pages, window, groups, policy, full_groups)
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
-          chunk=st.integers(1, 16), mark=st.integers(0, 40))
+          chunk=st.integers(1, 16), mark=st.integers(0, 40),
+          turn_ends=st.lists(st.integers(0, 40), max_size=2))
     @precondition(lambda self: self.m is not None)
-    def admit(self, tokens, chunk, mark):
+    def admit(self, tokens, chunk, mark, turn_ends):
         m = self.m
         self.n += 1
-        r = CacheRequest(f"r{self.n}", list(tokens), len(tokens), hit_point_tokens=(mark,))
+        r = CacheRequest(f"r{self.n}", list(tokens), len(tokens), hit_point_tokens=(mark,),
+                         turn_end_tokens=tuple(turn_ends))
         hits = m.lookup(r)
         n = len(hits)
         assert n * BS <= len(tokens) - 1
