@@ -22,9 +22,9 @@ anything else) the moment it does:
     earlier prompt, sequence and turn ends, below the window this request reads, are demoted. In
     a chat only the last turn's end is where the next turn resumes; a pool that keeps every turn's
     window holds ``window + turns x turn length`` per conversation instead of one window, and
-    near its capacity the sessions whose windows it keeps twice cost the whole windows of others
-    (bench_swa_chat_replay, pool of 6 sessions: 10 sessions kept whole with the turn ends' windows,
-    12 without). A branch (a cached block with another child) stops it, and so does a window a
+    near its capacity the sessions whose windows it keeps twice cost other sessions their only
+    one (bench_swa_chat_replay, a pool of 6.5 sessions' full K/V: no turn re-prefilled without the
+    turn ends' windows, 9 of 80 with them). A branch (a cached block with another child) stops it, and so does a window a
     client asked for (cache breakpoint), a system prompt's end (``message_end``: where other
     conversations resume) or one seen as a divergence point.
 

@@ -10,8 +10,8 @@ tokenized, and its common prefix with the whole prompt's ids is the message's en
 The two kinds are kept apart (``MessageEnds``): a system end serves other conversations and stays
 a hit point (``hit_point_tokens``); a turn end serves only this conversation's regenerated or
 edited last message, and its window gives way once a later turn of the conversation ends
-(``turn_end_tokens``, ``cache/window_keep.py``): in a pool near its capacity, every turn end's
-window kept is a conversation's whole window that some other session loses.
+(``turn_end_tokens``, ``cache/window_keep.py``): in a pool near its capacity, a turn end's window
+kept beside the latest turn's can cost another session its only one.
 
 Only a hybrid pool gains from them (a full-attention pool keeps every block it caches), so only
 there are the cuts tokenized; at most ``1 + MAX_TURN_ENDS`` cuts a request, through the server's
