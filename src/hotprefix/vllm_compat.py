@@ -91,6 +91,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                   (0,)),
     "enable_chunked_prefill": Unsupported("long prompts are always chunked; max_num_batched_tokens sets "
                                           "the chunk", (True, None)),
+    "max_num_partial_prefills": Unsupported("one prompt is part-way at a time, as vLLM's default; a hybrid "
+                                            "pool's chunk is window_prefill_chunk", (1, None)),
     "max_seq_len_to_capture": Unsupported("no CUDA graph is captured (see enforce_eager)"),
     "compilation_config": Unsupported("the forward is not compiled (see enforce_eager)", (None, 0)),
     "speculative_config": Unsupported("no speculative decoding"),
