@@ -54,7 +54,7 @@ SOURCES = [Path(__file__).with_name(f)
            for f in ("isa.c", "fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
 (``qlinear.py``), attention, and the logits' top-k and argmax."""
-HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h")]
+HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h")]
 """Included by the sources (the vector path each level compiles; the KV pool's element types;
 attention's per-chunk arithmetic): part of the build key."""
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]

@@ -39,9 +39,8 @@
 #include <string.h>
 
 #include "isa.h"
+#include "qgemm_layout.h"
 
-#define QG_BLOCK 32
-#define QG_LANES 16
 #ifdef HP_AVX2
 #define QG_ROWS 8        /* rows sharing one pass over a weight block (a row's sum: one register) */
 #else
@@ -52,26 +51,6 @@
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
-
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
  * amax ignores NaN (fmaxf), a NaN value clamps to -QMAX, an infinite amax gives zeros and scale inf.
@@ -195,78 +174,10 @@ void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *s
 }
 
 /* ------------------------------------------------------------------ the weight layout */
-enum { QF_Q4 = 0, QF_Q8 = 1, QF_K4 = 2, QF_K5 = 3, QF_K6 = 4, QF_Q5 = 5, QF_FORMATS };
-
-static inline int fmt_bits(int f) {
-    return f == QF_Q4 || f == QF_K4 ? 4 : f == QF_Q5 || f == QF_K5 ? 5 : f == QF_K6 ? 6 : 8;
-}
-static inline int64_t fmt_qbytes(int f) { return (int64_t[]){256, 512, 256, 320, 384, 320}[f]; }
-/* scales of each block in the block itself (fp16 D and M; Q5_0: D only), not per super-block */
-static inline int fmt_local(int f) { return f == QF_Q4 || f == QF_Q8 || f == QF_Q5; }
-static inline int64_t fmt_scales(int f) { return f == QF_Q5 ? 32 : 64; }
-/* bytes of one super-block of 8 blocks (K formats) */
-static inline int64_t fmt_super(int f) { return 8 * (fmt_qbytes(f) + 32) + 64; }
-
 /* Bytes of one group of 16 outputs over nb blocks (qlinear checks its layout against this). */
 int64_t qg_group_bytes(int f, int64_t nb) {
     if (f < 0 || f >= QF_FORMATS) return -1;
     return fmt_local(f) ? nb * (fmt_qbytes(f) + fmt_scales(f)) : nb / 8 * fmt_super(f);
-}
-
-/* Block b of a group: its values, then its scale bytes (fp16 D and M, or int8 sc and mn). */
-static inline const uint8_t *block_at(const uint8_t *wg, int f, int64_t b) {
-    if (fmt_local(f)) return wg + b * (fmt_qbytes(f) + fmt_scales(f));
-    return wg + (b / 8) * fmt_super(f) + (b % 8) * (fmt_qbytes(f) + 32);
-}
-
-/* The super-block's 16 fp16 d, then 16 fp16 -dmin (K formats). */
-static inline const uint8_t *super_at(const uint8_t *wg, int f, int64_t b) {
-    return wg + (b / 8) * fmt_super(f) + 8 * (fmt_qbytes(f) + 32);
-}
-
-/* Group g's bytes and format, from the buffer's table. */
-static inline const uint8_t *group_at(const uint8_t *w, int64_t g, int *f) {
-    int64_t h;
-    memcpy(&h, w + 8 * g, sizeof h);
-    *f = (int)(h & 15);
-    return w + (h >> 4);
-}
-
-/* Input i of lane l in a block's values. */
-static inline int weight_q(const uint8_t *blk, int f, int l, int i) {
-    const int bits = fmt_bits(f);
-    const int pair = i / 2, e = i % 2;
-    if (bits == 8) return (int8_t)blk[32 * pair + 2 * l + e];
-    const int j = pair % 8, hi = pair / 8;
-    const uint8_t byte = blk[32 * j + 2 * l + e];
-    const int q = hi ? byte >> 4 : byte & 0x0f;
-    if (bits == 4) return q;
-    if (bits == 6) return q + 16 * ((blk[256 + 32 * (j / 2) + 2 * l + e] >> (4 * (j % 2) + 2 * hi)) & 3) - 32;
-    return q + 16 * ((blk[256 + 32 * (j / 4) + 2 * l + e] >> (2 * (j % 4) + hi)) & 1) - (f == QF_Q5 ? 16 : 0);
-}
-
-/* Lane l's scales of block b: w = D * q + M, D = dlo for inputs 0-15 and dhi for 16-31 (equal but
- * in Q6_K, whose M is 0). The K formats' products d * sc are exact in fp32. */
-static inline void lane_scales(const uint8_t *wg, const uint8_t *blk, int f, int64_t b, int l,
-                               float *dlo, float *dhi, float *m) {
-    const int64_t qb = fmt_qbytes(f);
-    if (fmt_local(f)) {
-        const uint16_t *h = (const uint16_t *)(blk + qb);
-        *dlo = *dhi = half_to_float(h[l]);
-        *m = f == QF_Q5 ? 0.0f : half_to_float(h[QG_LANES + l]);
-        return;
-    }
-    const uint16_t *sup = (const uint16_t *)super_at(wg, f, b);
-    const int8_t *sc = (const int8_t *)(blk + qb);
-    const float d = half_to_float(sup[l]);
-    *dlo = d * (float)sc[l];
-    if (f == QF_K6) {
-        *dhi = d * (float)sc[QG_LANES + l];
-        *m = 0.0f;
-    } else {
-        *dhi = *dlo;
-        *m = half_to_float(sup[QG_LANES + l]) * (float)sc[QG_LANES + l];
-    }
 }
 
 /* ------------------------------------------------------------------ the portable reference */
@@ -303,7 +214,6 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
     const int bits = fmt_bits(f);
     const int64_t qbytes = fmt_qbytes(f);
     const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
-    const __m512i low4 = _mm512_set1_epi16(0x0f);
     /* one row alone waits on its accumulators' latency: give it four chains; many rows have
      * enough chains between them (and registers for no more) */
     const int chains = f == QF_K6 ? 2 : nr == 1 ? 4 : nr == 2 ? 2 : 1; /* Q6_K: inputs 0-15, 16-31 */
@@ -322,26 +232,8 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             for (int c = 0; c < chains; c++) s[r][c] = _mm512_setzero_si512();
         if (bits != 8) {
             for (int j = 0; j < 8; j++) {
-                __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
-                __m512i wl = _mm512_and_si512(w, low4), wh = _mm512_srli_epi16(w, 4);
-                if (bits == 5) { /* Q5_0: q - 16, 16 subtracted where the fifth bit is clear (Q5_K: q) */
-                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 4))));
-                    const __m512i s16 = _mm512_set1_epi16(16);
-                    wl = _mm512_mask_sub_epi16(wl, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(1 << (2 * (j % 4)))), wl, s16);
-                    wh = _mm512_mask_sub_epi16(wh, _mm512_testn_epi16_mask(h, _mm512_set1_epi16(2 << (2 * (j % 4)))), wh, s16);
-                    if (f == QF_K5) {
-                        wl = _mm512_add_epi16(wl, s16);
-                        wh = _mm512_add_epi16(wh, s16);
-                    }
-                }
-                if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
-                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32 * (j / 2))));
-                    const __m512i three = _mm512_set1_epi16(3), n32 = _mm512_set1_epi16(32);
-                    const __m512i tl = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(4 * (j % 2))), three);
-                    const __m512i th = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(4 * (j % 2) + 2)), three);
-                    wl = _mm512_sub_epi16(_mm512_add_epi16(wl, _mm512_slli_epi16(tl, 4)), n32);
-                    wh = _mm512_sub_epi16(_mm512_add_epi16(wh, _mm512_slli_epi16(th, 4)), n32);
-                }
+                __m512i wl, wh;
+                decode_chunk_512(blk, f, j, &wl, &wh);
                 const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
                 for (int r = 0; r < nr; r++) {
                     const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
