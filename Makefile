@@ -12,7 +12,7 @@ WORKERS ?= 2
 # tests marked slow (over a minute of CPU for one check) are left out; `make test MARKS=slow` runs them
 MARKS ?= not slow
 
-.PHONY: setup serve generate test test-fast bench clean
+.PHONY: setup serve generate test test-fast bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,10 +34,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not model" $(PYTEST_ARGS)
 
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or anchor, or a page
+# missing from the nav, fails the build (CI runs this too). Open site/index.html; it needs no network.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_prefix_cache.py
 	$(BIN)/python benchmarks/bench_eviction.py --sweep
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info
