@@ -244,6 +244,11 @@ class ServerConfig:
     """Longest retention pin any request may get, in seconds (``hotprefix.ttl_s``, a key's ``ttl_s``,
     OpenAI's ``prompt_cache_retention``, Anthropic's ``cache_control`` TTLs): longer ones are
     clamped to it; 0 = requests never pin. Pins also never take more than half the pool."""
+    max_stored_responses: int = 10000
+    """Most stored Responses API answers (``/v1/responses`` with ``store``) kept, over every
+    tenant; the oldest go first (counted in ``hotprefix_responses_evicted_total``); 0 = none kept."""
+    max_stored_response_bytes: int = 256 * 1024 * 1024
+    """Most bytes of stored Responses API answers (their conversations and token ids) kept."""
 
 
 @dataclass(frozen=True)

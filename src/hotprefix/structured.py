@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,9 +47,14 @@ GRAMMAR_CACHE_SIZE = 256
 """Compiled grammars kept per engine (LRU over every tenant's)."""
 MASK_THREADS = 2
 """Worker threads that compute next-token masks while the forward pass runs."""
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "lenient": True}
 """llguidance JSON options: one fixed spacing, so an output ends where its value ends (a model
-cannot pad a JSON value with whitespace until max_tokens) and the same value is the same text."""
+cannot pad a JSON value with whitespace until max_tokens) and the same value is the same text;
+``lenient``: a keyword the grammar cannot enforce (``uniqueItems``, ``not``, an unknown
+``format``...) is compiled without that constraint and reported (``Grammar.unenforced``) instead of
+refusing the schema: what pydantic writes for a ``set`` field compiles. A schema that cannot be
+honoured at all (a bad type, a missing ``$ref``, an unsatisfiable one) is still refused."""
 
 
 KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
@@ -155,13 +161,40 @@ def structured_from_vllm(value: Any) -> StructuredOutputsParams | None:
                                       if k in ("json", "regex", "choice", "grammar", "json_object")})
 
 
+_UNIMPLEMENTED = re.compile(r"^Unimplemented keys?: (\[.*\])$")
+_UNKNOWN_FORMAT = re.compile(r"^Unknown format: (.+)$")
+
+
+def unenforced_keywords(warnings: list[str]) -> tuple[str, ...]:
+    """The JSON-schema keywords llguidance's lenient mode compiled without enforcing, from its
+    warnings (``uniqueItems``; an unknown format as ``format:NAME``), sorted, each once."""
+    out: set[str] = set()
+    for w in warnings:
+        w = w.strip()
+        m = _UNIMPLEMENTED.match(w)
+        if m:
+            try:
+                out.update(str(k) for k in json.loads(m.group(1)))
+            except ValueError:
+                out.add(m.group(1))
+            continue
+        m = _UNKNOWN_FORMAT.match(w)
+        if m:
+            out.add(f"format:{m.group(1).strip()}")
+    return tuple(sorted(out))
+
+
 class Grammar:
     """A compiled, validated grammar: a template matcher that each request's state copies."""
 
-    def __init__(self, template: Any, vocab_size: int, executor: ThreadPoolExecutor):
+    def __init__(self, template: Any, vocab_size: int, executor: ThreadPoolExecutor,
+                 unenforced: tuple[str, ...] = ()):
         self._template = template
         self.vocab_size = vocab_size
         self._executor = executor
+        self.unenforced = unenforced
+        """JSON-schema keywords of the spec that the grammar does not enforce (lenient mode):
+        the output may not satisfy them. Empty for every other spec."""
 
     def new_state(self) -> "GrammarState":
         return GrammarState(self._template.deep_copy(), self.vocab_size, self._executor)
@@ -285,7 +318,8 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {KIND_NAMES[spec.kind]} does not compile: {matcher.get_error()}")
-        grammar = Grammar(matcher, max(self.vocab_size, len(self._hf)), self._executor)
+        grammar = Grammar(matcher, max(self.vocab_size, len(self._hf)), self._executor,
+                          unenforced_keywords(messages or []))
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > GRAMMAR_CACHE_SIZE:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hotprefix.server import tool_formats as F
 from hotprefix.server import tools as T
 from hotprefix.server.constraints import Constraint
 from hotprefix.server.protocol import APIError
@@ -45,8 +46,10 @@ def functions(tools: list[dict[str, Any]] | None) -> list[T.Function]:
         raise _bad(str(e).replace("tools[", "tools.").replace("].function", "")) from None
 
 
-def constraint(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None) -> Constraint:
-    """The request's tool handling (and, for ``any`` / ``tool``, the grammar of the call)."""
+def constraint(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None,
+               fmt: F.ToolFormat = F.HERMES) -> Constraint:
+    """The request's tool handling (and, for ``any`` / ``tool``, the grammar of the call, in the
+    model's format ``fmt``)."""
     offered = functions(tools)
     tc = tool_choice or {}
     kind = tc.get("type", "auto")
@@ -60,7 +63,7 @@ def constraint(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] |
     if not offered:
         if kind in ("any", "tool"):
             raise APIError(400, f"tool_choice {kind!r} needs tools", param="tool_choice")
-        return Constraint()
+        return Constraint(format=fmt)
     try:
         mode, callable_ = T.pick(offered, choice)
     except T.ToolError as e:
@@ -68,8 +71,8 @@ def constraint(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] |
     spec = None
     if mode == "required":
         parallel = parallel and kind == "any"
-        spec = T.grammar(callable_, parallel)
-    return Constraint(spec, "tool_choice" if spec else None, mode, callable_, parallel, offered)
+        spec = fmt.grammar(callable_, parallel)
+    return Constraint(spec, "tool_choice" if spec else None, mode, callable_, parallel, offered, fmt)
 
 
 def history(role: str, blocks: list[Any]) -> list[dict[str, Any]]:
@@ -105,7 +108,7 @@ def content(c: Constraint, text: str) -> list[dict[str, Any]]:
     """The answer's content blocks: its text (when any) and its tool calls."""
     if c.tool_mode == "none" or not c.functions:
         return [{"type": "text", "text": text}]
-    before, calls = T.parse_calls(text, c.functions, c.parallel)
+    before, calls = c.format.parse(text, c.functions, c.parallel)
     if not calls:
         return [{"type": "text", "text": text}]
     return ([{"type": "text", "text": before}] if before else []) + [tool_use_block(x) for x in calls]

@@ -6,6 +6,8 @@
 Routes live in their own modules: ``generate`` (``POST /v1/completions``,
 ``POST /v1/chat/completions``, both streaming as server-sent events with ``stream: true``),
 ``messages`` (``POST /v1/messages``, Anthropic's Messages API),
+``responses`` (``/v1/responses``: OpenAI's Responses API with stored, token-exact conversations),
+``token_routes`` (``POST /tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``),
 ``cache_routes`` (``GET /v1/cache/stats``, ``POST /v1/cache/warm``, ``POST /v1/cache/reset``) and
 ``ops_routes`` (``GET /v1/models``, ``GET /health``, ``GET /metrics``), besides ``dashboard``
 (``GET /dashboard``, the operator's live page). They reach the shared
@@ -21,7 +23,8 @@ from fastapi import FastAPI
 
 from hotprefix.config import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.engine import LLMEngine
-from hotprefix.server import cache_routes, dashboard, errors, generate, messages, ops_routes
+from hotprefix.server import (cache_routes, dashboard, errors, generate, messages, ops_routes, responses,
+                              token_routes)
 from hotprefix.server.limits import BodyLimit
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import TenantRegistry
@@ -55,6 +58,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     engine = engine or LLMEngine(engine_config)
     state = ServerState(engine, server_config, tenants)
     state.reads_fleet_seq = fleet_clock
+    responses.install(state)
     state.aengine.start()
 
     @asynccontextmanager
@@ -72,8 +76,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     app.add_middleware(BodyLimit, max_bytes=server_config.max_request_bytes,
                        on_reject=lambda: count_rejected(413), shape=errors.too_large_body)
     errors.install(app, count_rejected)
-    for module in (generate, messages, cache_routes, ops_routes, dashboard):
+    for module in (generate, messages, responses, token_routes, cache_routes, ops_routes, dashboard):
         app.include_router(module.router)
+    app.include_router(token_routes.anthropic_router)
     return app
 
 

@@ -13,10 +13,11 @@ Knows the request bodies and ``hotprefix.structured``; not the routes or the eng
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hotprefix.server import protocol as P
+from hotprefix.server import tool_formats as F
 from hotprefix.server import tools as T
 from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
 
@@ -41,6 +42,11 @@ class Constraint:
     offered: list[T.Function] = field(default_factory=list)
     """Every function of ``tools``: all are rendered into the prompt, whatever ``tool_choice``
     says (so the prompt's prefix stays the same, and cached, across choices)."""
+    format: F.ToolFormat = F.HERMES
+    """How the model writes its calls (``server/tool_formats.py``, chosen from the chat template)."""
+    unenforced: tuple[str, ...] = ()
+    """JSON-schema keywords of the spec its grammar does not enforce (set by ``compile_for``);
+    answered in the ``x-hotprefix-unenforced`` header (``unenforced_header``)."""
 
 
 def _bad(message: str, param: str) -> P.APIError:
@@ -93,23 +99,35 @@ def _vllm_specs(body: P._SamplingFields) -> list[tuple[str, StructuredOutputsPar
     return out
 
 
-def from_request(body: P.CompletionRequest | P.ChatCompletionRequest) -> Constraint:
+def from_request(body: P.CompletionRequest | P.ChatCompletionRequest,
+                 fmt: F.ToolFormat = F.HERMES) -> Constraint:
     """The request's constraint; an APIError (400) naming the field for anything malformed."""
+    chat = isinstance(body, P.ChatCompletionRequest)
+    return from_parts(body.response_format, body.tools if chat else None,
+                      body.tool_choice if chat else None,
+                      body.parallel_tool_calls if chat else None, fmt, body)
+
+
+def from_parts(response_format: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
+               tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool | None,
+               fmt: F.ToolFormat = F.HERMES, vllm: P._SamplingFields | None = None) -> Constraint:
+    """A constraint from OpenAI's fields (chat's shapes: ``response_format``, ``tools``,
+    ``tool_choice``) and, with ``vllm``, that body's vLLM constraint fields; ``fmt``: how the
+    model writes tool calls. An APIError (400) naming the field for anything malformed."""
     specs: list[tuple[str, StructuredOutputsParams]] = []
     try:
-        rf = response_format_spec(body.response_format)
+        rf = response_format_spec(response_format)
         if rf is not None:
             specs.append(("response_format", rf))
-        specs += _vllm_specs(body)
-        mode, functions, parallel, offered = "none", [], True, []
-        if isinstance(body, P.ChatCompletionRequest):
-            offered = T.parse_tools(body.tools)
-            mode, functions = T.pick(offered, body.tool_choice)
-            parallel = body.parallel_tool_calls is not False
-            if mode == "required":
-                named = isinstance(body.tool_choice, dict)
-                specs.append(("tool_choice", T.grammar(functions, parallel and not named)))
-                parallel = parallel and not named
+        if vllm is not None:
+            specs += _vllm_specs(vllm)
+        offered = T.parse_tools(tools)
+        mode, functions = T.pick(offered, tool_choice)
+        parallel = parallel_tool_calls is not False
+        if mode == "required":
+            named = isinstance(tool_choice, dict)
+            specs.append(("tool_choice", fmt.grammar(functions, parallel and not named)))
+            parallel = parallel and not named
     except GrammarError as e:
         raise _bad(str(e), e.param or "response_format") from None
     except T.ToolError as e:
@@ -117,18 +135,39 @@ def from_request(body: P.CompletionRequest | P.ChatCompletionRequest) -> Constra
     if len(specs) > 1:
         raise _bad(f"one output constraint per request: got {', '.join(n for n, _ in specs)}", specs[1][0])
     param, spec = specs[0] if specs else (None, None)
-    return Constraint(spec, param, mode, functions, parallel, offered)
+    return Constraint(spec, param, mode, functions, parallel, offered, fmt)
 
 
-async def compile_for(engine: Any, c: Constraint, scope: str | None) -> None:
+async def compile_for(engine: Any, c: Constraint, scope: str | None) -> Constraint:
     """Compile ``c``'s spec for the tenant ``scope`` in a worker thread (the engine's cache keeps
-    it); a 400 naming the field and the library's message when it does not compile."""
+    it); a 400 naming the field and the library's message when it does not compile. Returns ``c``
+    with the keywords its grammar does not enforce (``unenforced``)."""
     if c.spec is None:
-        return
+        return c
     try:
-        await asyncio.to_thread(engine.grammars.compile, c.spec, scope)
+        grammar = await asyncio.to_thread(engine.grammars.compile, c.spec, scope)
     except GrammarError as e:
         raise P.APIError(400, f"{c.param}: {e}", param=c.param, code="invalid_schema") from None
+    unenforced = tuple(getattr(grammar, "unenforced", ()) or ())
+    return replace(c, unenforced=unenforced) if unenforced else c
+
+
+UNENFORCED_HEADER = "x-hotprefix-unenforced"
+"""Response header naming the JSON-schema keywords the output constraint did not enforce."""
+
+
+def unenforced_header(c: Constraint) -> dict[str, str]:
+    """``{UNENFORCED_HEADER: "uniqueItems, format:foo"}`` when the constraint left keywords out."""
+    return {UNENFORCED_HEADER: ", ".join(c.unenforced)} if c.unenforced else {}
+
+
+def unenforced_warning(c: Constraint) -> list[dict[str, Any]]:
+    """The same as a body field's list (``hotprefix.warnings``)."""
+    if not c.unenforced:
+        return []
+    return [{"code": "unenforced_schema_keywords", "param": c.param, "keywords": list(c.unenforced),
+             "message": f"the output constraint ({c.param}) does not enforce "
+                        f"{', '.join(c.unenforced)}: the output may not satisfy them"}]
 
 
 def answer(c: Constraint, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -136,7 +175,7 @@ def answer(c: Constraint, text: str, finish_reason: str | None) -> tuple[dict[st
     ``tool_calls``) and its finish reason (``tool_calls`` when it called and was not cut)."""
     if c.tool_mode == "none" or not c.functions:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = T.parse_calls(text, c.functions, c.parallel)
+    content, calls = c.format.parse(text, c.functions, c.parallel)
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     msg = {"role": "assistant", "content": content, "tool_calls": calls}

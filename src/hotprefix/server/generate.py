@@ -143,14 +143,17 @@ async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: 
     return (await chat_prompt_and_ends(state, messages, param, functions, ends=False))[0]
 
 
-async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage],
+async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage] | list[dict[str, Any]],
                                param: str = "messages", functions: list[T.Function] | None = None,
-                               ends: bool = True) -> tuple[list[int], MessageEnds]:
+                               ends: bool = True, add_generation_prompt: bool = True
+                               ) -> tuple[list[int], MessageEnds]:
     """``chat_prompt``'s token ids and, with ``ends``, where its messages end
-    (``message_ends``: empty unless the pool is hybrid)."""
+    (``message_ends``: empty unless the pool is hybrid). ``messages``: the request's, or chat
+    message dicts already (``P.message_dicts``' shape)."""
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
-    dicts = P.message_dicts(messages)
+    dicts = [dict(m) for m in messages] if isinstance(messages[0], dict) else \
+        P.message_dicts(messages)  # type: ignore[arg-type]
     tools = None
     if functions or any(d.get("tool_calls") or d["role"] == "tool" for d in dicts):
         native = state.tokenizer.renders_tools
@@ -158,7 +161,7 @@ async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage]
         tools = [f.raw for f in functions] if native and functions else None
     check_fits(state, [str(m.get("content") or "") for m in dicts] + [json.dumps(tools or "")], param)
     try:
-        ids = await state.encode(state.tokenizer.encode_chat, dicts, True, tools)
+        ids = await state.encode(state.tokenizer.encode_chat, dicts, add_generation_prompt, tools)
     except TokenizerError as e:
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
@@ -212,7 +215,7 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     route, field = ("chat", "messages") if chat else ("completions", "prompt")
     params = sampling(body, max_tokens, L.sampling_fields(body))
     if constraint.spec is not None:  # compiled now: a schema error is this request's 400
-        await C.compile_for(state.engine, constraint, tenant.salt)
+        constraint = await C.compile_for(state.engine, constraint, tenant.salt)
         params.structured_outputs = constraint.spec
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -221,8 +224,10 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     view = logprob_view(state, body, ids, params)
     if body.stream:
         inc = bool(body.stream_options and body.stream_options.include_usage)
-        return stream_response(stream, chat, rid, created, state.served_name, inc,
+        resp = stream_response(stream, chat, rid, created, state.served_name, inc,
                                lambda out: finish(state, out, route, tenant), constraint, view)
+        resp.headers.update(C.unenforced_header(constraint))
+        return resp
     out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -249,7 +254,15 @@ async def respond(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
         "id": rid, "object": obj_name(chat), "created": created, "model": state.served_name,
         "choices": choices,
         "usage": P.usage(len(out.prompt_token_ids), out.num_generated_tokens, out.num_cached_tokens),
-        "hotprefix": {"cache": rep}}, headers={"x-hotprefix-cache": cache_header(rep)})
+        "hotprefix": {"cache": rep, **warnings(constraint)}},
+        headers={"x-hotprefix-cache": cache_header(rep), **C.unenforced_header(constraint)})
+
+
+def warnings(constraint: C.Constraint) -> dict[str, Any]:
+    """``{"warnings": [...]}`` for the body's ``hotprefix`` object when the request's output
+    constraint leaves keywords unenforced, else nothing."""
+    w = C.unenforced_warning(constraint)
+    return {"warnings": w} if w else {}
 
 
 def obj_name(chat: bool) -> str:
@@ -284,7 +297,7 @@ def check_request(state: ServerState, body: P.CompletionRequest | P.ChatCompleti
     bad = P.unsupported(body)
     if bad:
         raise P.APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    return C.from_request(body)
+    return C.from_request(body, state.tool_format)
 
 
 @router.post("/v1/completions")

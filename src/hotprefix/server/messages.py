@@ -166,16 +166,18 @@ async def messages(body: A.MessagesRequest, request: Request,
     bad = A.unsupported(body)
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-    constraint = AT.constraint(body.tools, body.tool_choice)
+    constraint = AT.constraint(body.tools, body.tool_choice, state.tool_format)
     ids, hints = await prompt_and_hints(state, A.conversation(body), constraint.offered)
     params = sampling(body)
     if constraint.spec is not None:  # compiled now: a bad schema is this request's 400
-        await C.compile_for(state.engine, constraint, tenant.salt)
+        constraint = await C.compile_for(state.engine, constraint, tenant.salt)
         params.structured_outputs = constraint.spec
     rid = f"msg_{uuid.uuid4().hex}"
     stream = await submit(state, ids, params, rid, tenant, None, "messages", hints, request)
     if body.stream:
-        return stream_messages(state, body, stream, rid, tenant, constraint)
+        resp = stream_messages(state, body, stream, rid, tenant, constraint)
+        resp.headers.update(C.unenforced_header(constraint))
+        return resp
     out = await final_output(stream, request)
     if out is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -187,7 +189,7 @@ async def messages(body: A.MessagesRequest, request: Request,
         reason = "tool_use"
     msg = message_json(state, rid, content, reason, stop, usage(state, out))
     return JSONResponse({**msg, "hotprefix": {"cache": rep}},
-                        headers={"x-hotprefix-cache": cache_header(rep)})
+                        headers={"x-hotprefix-cache": cache_header(rep), **C.unenforced_header(constraint)})
 
 
 def event(kind: str, data: dict[str, Any]) -> str:
@@ -203,7 +205,7 @@ def stream_messages(state: ServerState, body: A.MessagesRequest, stream: Request
     each call is a ``tool_use`` block with one ``input_json_delta``."""
     calls = None
     if constraint is not None and constraint.tool_mode != "none" and constraint.functions:
-        calls = T.CallStream(constraint.functions, constraint.parallel)
+        calls = constraint.format.stream(constraint.functions, constraint.parallel)
     blocks = {"next": 0, "text": None, "tools": 0}  # next index, the open text block's, tool_use count
 
     def text_events(text: str) -> list[str]:

@@ -18,6 +18,7 @@ from hotprefix.config import ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.engine.request import Request as EngineRequest
+from hotprefix.server import tool_formats
 from hotprefix.server.metrics import ServerMetrics
 from hotprefix.server.tenants import TenantRegistry
 
@@ -53,6 +54,9 @@ class ServerState:
             self.model_names.add(engine.model_path)
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
+        self.tool_format = tool_formats.for_template(self.tokenizer.chat_template,
+                                                     self.tokenizer.renders_tools)
+        """How the model writes tool calls (``server/tool_formats.py``), from its chat template."""
         self.marks_message_ends = engine.has_window_groups
         """Chat routes mark where messages end as hit points (``server/message_ends.py``): only on
         a hybrid pool, where they change what stays cached; nothing is tokenized for them else."""
@@ -63,6 +67,11 @@ class ServerState:
         """Generation routes read the fleet front end's request number (``server/fleet_seq.py``)
         and pass it to the engine as ``fleet_seq``: set by ``create_app(fleet_clock=True)``, for a
         fleet replica only; a standalone server ignores the header."""
+        self.responses: Any = None
+        """The Responses API's stored answers (``server/response_store.py``), opened by
+        ``server/responses.py``'s ``install``."""
+        self.background_responses: dict[str, Any] = {}
+        """Response id -> (task, request stream) of a background response still running."""
         self._tok_lock = threading.Lock()
         self._log_file = open_private(config.log_requests) if config.log_requests else None
         self.log_failures = 0

@@ -84,9 +84,7 @@ def stream_response(stream: RequestStream, chat: bool, rid: str, created: int, m
 
     def call_stream(i: int) -> Any:
         if i not in calls:
-            from hotprefix.server.tools import CallStream
-
-            calls[i] = CallStream(constraint.functions, constraint.parallel)
+            calls[i] = constraint.format.stream(constraint.functions, constraint.parallel)
         return calls[i]
 
     def deltas(i: int, text: str, last: bool) -> list[dict[str, Any]]:
