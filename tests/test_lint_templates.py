@@ -317,9 +317,8 @@ def test_reading_request_files_does_not_load_the_tokenizer_library() -> None:
     "{{ " + " " * 20_000 + "x", "{abc" + " " * 20_000 + "x", "{abc" + " \t" * 10_000 + "=",
     "${" + "a" * 20_000, "{f(" + "(" * 20_000, "{{ x " * 20_000, "{a} " * 20_000,
 ])
-def test_placeholder_scan_stays_fast_on_unclosed_or_huge_input(text: str) -> None:
-    # unclosed placeholders followed by long runs once backtracked for minutes (cubic in the run)
-    import time
-    start = time.perf_counter()
-    find_volatile(text)
-    assert time.perf_counter() - start < 3.0
+def test_placeholder_scan_finishes_on_unclosed_or_huge_input(text: str) -> None:
+    # unclosed placeholders followed by long runs once backtracked for minutes (cubic in the run);
+    # none of these holds a volatile value. How long the scan takes, and how it grows with the
+    # input, is measured by benchmarks/bench_lint_scan.py, not asserted here.
+    assert find_volatile(text) == []

@@ -122,9 +122,7 @@ def test_concurrent_streams_disconnects_and_garbage(cli_server):
             bad = [_malformed(c, model, raw, route) for raw, route in MALFORMED]
             return await asyncio.gather(*tasks), await asyncio.gather(*bad)
 
-    t0 = time.monotonic()
-    results, bad_statuses = asyncio.run(asyncio.wait_for(scenario(), 120))
-    assert time.monotonic() - t0 < 120
+    results, bad_statuses = asyncio.run(asyncio.wait_for(scenario(), 120))  # 120 s: a hang guard
     assert bad_statuses == [400] * len(MALFORMED)
     completed = [r for r in results if not r["disconnect"]]
     dropped = [r for r in results if r["disconnect"]]

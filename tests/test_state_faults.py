@@ -5,6 +5,7 @@ or refuses with a message naming the path; requests keep succeeding; /health say
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import time
@@ -153,9 +154,8 @@ def test_a_ledger_made_a_pipe_while_serving_fails_writes_without_blocking(tmp_pa
     ledger = ContentLedger(StateDir(str(d)))
     os.mkfifo(d / "ledger.txt")
     ledger.record(KEY, "ns", None)
-    t0 = time.monotonic()
-    assert ledger.flush() is False
-    assert time.monotonic() - t0 < 10 and ledger.write_failures == 1
+    assert ledger.flush() is False  # returns (a blocking open would never return: no reader)
+    assert ledger.write_failures == 1
 
 
 def test_a_full_disk_never_fails_a_request(tmp_path, tiny_model_dir, monkeypatch):
@@ -176,9 +176,14 @@ def test_a_full_disk_never_fails_a_request(tmp_path, tiny_model_dir, monkeypatch
         assert "hotprefix_state_degraded 1.0" in metrics
         assert "hotprefix_state_write_failures_total 0.0" not in metrics
         monkeypatch.undo()  # the disk has room again: the next flush writes what was kept
-        time.sleep(1.1)
-        body = {"model": s.model, "prompt": list(range(300, 360)), "max_tokens": 2}
-        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
-        assert httpx.get(s.url + "/health", timeout=30).json() == {"status": "ok"}
+        # writes are retried about once a second: serve requests until the retry has come and
+        # gone (waiting on the health it restores, not on a guessed delay)
+        deadline = time.monotonic() + 60  # only a hang guard
+        for n in itertools.count():
+            body = {"model": s.model, "prompt": list(range(300 + n, 360 + n)), "max_tokens": 2}
+            assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            if httpx.get(s.url + "/health", timeout=30).json() == {"status": "ok"}:
+                break
+            assert time.monotonic() < deadline, "state writes never recovered"
     kept = records(str(tmp_path / "state" / "ledger.txt"))
     assert len(kept) >= 4 * 3 and all(parse_record(r) for r in kept)
