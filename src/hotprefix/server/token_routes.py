@@ -11,7 +11,7 @@ the model's tokenizer (a caller still needs a valid key where keys are configure
   ``{"messages": [...], "add_generation_prompt": true, "tools": [...]}`` (llama-server's
   ``{"content", "add_special", "with_pieces"}`` too) -> ``{"count", "max_model_len", "tokens",
   "token_strs"}`` (``token_strs`` with ``return_token_strs``; llama-server's ``with_pieces`` gives
-  ``tokens`` as ``[{"id", "piece"}]``).
+  ``tokens`` as ``[{"id", "piece"}]``, each token's text).
 - ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}`` (and llama-server's ``content``).
 - ``/v1/messages/count_tokens``: a Messages API body without ``max_tokens`` ->
   ``{"input_tokens": n}``, errors in Anthropic's shape.
@@ -98,13 +98,12 @@ async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(tenant_dep),
     else:
         ids = await text_prompt(state, prompt, "prompt") if prompt else []
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-    if body.return_token_strs or body.with_pieces:
-        pieces = [state.tokenizer.decode([i], skip_special_tokens=False, continuation=n > 0)
-                  for n, i in enumerate(ids)]
-        if body.return_token_strs:
-            out["token_strs"] = pieces
-        if body.with_pieces:
-            out["tokens"] = [{"id": i, "piece": p} for i, p in zip(ids, pieces)]
+    if body.return_token_strs:  # vLLM's: the vocabulary's pieces (``Ġworld``)
+        out["token_strs"] = state.tokenizer.hf.convert_ids_to_tokens(ids)
+    if body.with_pieces:  # llama-server's: each token's text
+        out["tokens"] = [{"id": i, "piece": state.tokenizer.decode([i], skip_special_tokens=False,
+                                                                   continuation=n > 0)}
+                         for n, i in enumerate(ids)]
     return JSONResponse(out)
 
 
