@@ -105,12 +105,12 @@ def test_logits_bit_identical_cold_warm_and_batched(llm, prompts):
     assert eng.cache.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("llm", [False], ids=["hybrid"], indirect=True)
 def test_greedy_tokens_and_logprobs_cold_warm_and_batched(llm, prompts):
     """Eight greedy tokens decoded at positions 1,600+ (25 windows in): the same tokens and log
     probabilities alone and cold, from the cache, and batched with other requests. The hybrid
     pool only (the default; the logits test covers the other)."""
-    if llm.config.cache.disable_hybrid_kv_cache_manager:
-        pytest.skip("the default (hybrid) pool covers the generate path")
+    assert not llm.config.cache.disable_hybrid_kv_cache_manager
     prompt = prompts["prompt"]
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     llm.reset_prefix_cache()
@@ -126,12 +126,12 @@ def test_greedy_tokens_and_logprobs_cold_warm_and_batched(llm, prompts):
     assert llm.engine.cache.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("llm", [False], ids=["hybrid"], indirect=True)
 def test_the_hybrid_pools_prefill_chunk_cap_changes_no_bit(llm, gemma_dir, prompts):
     """``window_prefill_chunk`` (default 256): a hybrid pool computes a long prompt in chunks of
     at most 256 tokens, a pool that keeps every layer's K/V in one 4,096-token step; the greedy
     tokens and log probabilities equal those of the whole prompt in one step (``llm``: no cap)."""
-    if llm.config.cache.disable_hybrid_kv_cache_manager:
-        pytest.skip("one comparison is enough")
+    assert not llm.config.cache.disable_hybrid_kv_cache_manager  # one comparison is enough
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     llm.reset_prefix_cache()
     whole = llm.generate([prompts["prompt"]], params)[0]
