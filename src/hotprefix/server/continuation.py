@@ -7,21 +7,26 @@ wrote in two pieces; a template trims or rewrites an earlier assistant turn), an
 the tokens: a re-rendered history misses from the first such token at every turn. Here the stored
 ids are kept as they are; only the tail is rendered:
 
-1. the chat template renders the stored conversation with a sentinel as the answer's text, then
-   the same plus the new messages with the assistant turn's opening;
+1. the chat template renders the stored conversation with a sentinel as the answer's text and
+   the new messages after it, with the assistant turn's opening;
 2. the text after the sentinel (the template's end of the assistant turn, the new turns, the
    opening) is tokenized and appended to the stored ids, without the end-of-turn token when the
    model already generated one.
 
-When the template does not render the longer conversation as an extension of the shorter (it
-rewrites earlier turns once later ones exist), ``continue_ids`` answers None and the caller
-re-renders the whole conversation, saying so in its cache report.
+A template that renders earlier turns differently once later ones exist (Mistral's puts the tools
+before the *last* user turn; Qwen 3's drops earlier reasoning) does not change the earlier tokens
+here: they stay what the model saw, and the new turns are rendered as the template renders them
+at the end of the conversation (``Continued.rewrites_history`` says it happened). Only when the
+sentinel does not survive the rendering (a template that drops or rewrites the answer's text)
+does ``continue_ids`` answer None, and the caller re-renders the whole conversation, saying so
+in its cache report.
 
 Knows the tokenizer and ``server/tools.py``'s rendering; nothing of HTTP or the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hotprefix.server import tools as T
@@ -43,12 +48,23 @@ def template_messages(instructions: str | None, conversation: list[dict[str, Any
     return msgs
 
 
+@dataclass(frozen=True)
+class Continued:
+    """A continuation's prompt."""
+
+    ids: list[int]
+    """The stored ids, then the tail's."""
+    rewrites_history: bool
+    """The template renders the turns before the new ones differently now that these exist (a
+    re-rendered history would not match the stored tokens); the stored tokens were kept."""
+
+
 def continue_ids(tokenizer: Tokenizer, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  stored_ids: list[int], ended_with_eos: bool,
-                 new: list[dict[str, Any]]) -> list[int] | None:
+                 new: list[dict[str, Any]]) -> Continued | None:
     """The continuation's prompt: ``stored_ids`` (the previous prompt and answer) then the tokens
-    of the turn's end, the ``new`` messages and the assistant opening; None when the template
-    does not render the conversation as an extension of ``head`` + the answer.
+    of the turn's end, the ``new`` messages and the assistant opening; None when the answer's
+    text does not survive the template's rendering of the longer conversation.
 
     Args:
         head: the template messages of the stored conversation before its answer.
@@ -61,10 +77,10 @@ def continue_ids(tokenizer: Tokenizer, head: list[dict[str, Any]], tools: list[d
         after = tokenizer.render_chat(head + [answer] + new, add_generation_prompt=True, tools=tools)
     except TokenizerError:
         return None
-    i = before.rfind(SENTINEL)
-    if i < 0 or not after.startswith(before):
+    i = after.rfind(SENTINEL)
+    if i < 0 or after.count(SENTINEL) != 1 or before.count(SENTINEL) != 1:
         return None
-    tail = tokenizer.encode(before[i + len(SENTINEL):] + after[len(before):], add_special_tokens=False)
+    tail = tokenizer.encode(after[i + len(SENTINEL):], add_special_tokens=False)
     if ended_with_eos and tail and tail[0] in tokenizer.eos_token_ids:
         tail = tail[1:]  # the model ended its turn itself; its token is in stored_ids
-    return list(stored_ids) + tail
+    return Continued(list(stored_ids) + tail, not after.startswith(before))

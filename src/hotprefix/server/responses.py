@@ -10,8 +10,10 @@ A request's prompt is built one of three ways, said in its ``hotprefix.continuat
   hit the cache whatever the template and tokenizer would make of their text.
 - ``re_rendered``: the conversation is rendered again as a chat request would be, because the
   request changed what precedes the history (``instructions_changed``, ``tools_changed``) or the
-  template rewrites earlier turns once later ones exist (``template_rewrites_history``: the server's
-  doing, so a miss it causes is reported as the server's, never as a change of the client's).
+  template rewrites an earlier answer's text once later turns exist (``template_rewrites_answer``:
+  the server's doing, so a miss it causes is reported as the server's, never as a change of the
+  client's). A template that only renders earlier turns differently (Mistral's tools before the
+  last user turn) keeps the stored tokens (``template_rewrites_history: true`` says so).
 - ``new``: no stored response to continue.
 
 Stored responses (``store``, the default) belong to the caller's tenant
@@ -117,12 +119,14 @@ async def build_prompt(state: ServerState, body: R.ResponsesRequest, owner: str,
             head = template_messages(prev.instructions, prev.conversation[:-1], constraint.offered, native)
             tail = T.render_messages(new, [], native) if new else []
             tmpl_tools = [f.raw for f in constraint.offered] if native and constraint.offered else None
-            ids = await state.encode(continue_ids, state.tokenizer, head, tmpl_tools, prev.token_ids,
-                                     prev.ended_with_eos, tail)
-            if ids is not None:
-                return Prompt(ids, conversation, {"mode": "stored_tokens", "from": prev.id,
-                                                  "reused_tokens": len(prev.token_ids)})
-            how["reason"] = "template_rewrites_history"
+            cont = await state.encode(continue_ids, state.tokenizer, head, tmpl_tools, prev.token_ids,
+                                      prev.ended_with_eos, tail)
+            if cont is not None:
+                how = {"mode": "stored_tokens", "from": prev.id, "reused_tokens": len(prev.token_ids)}
+                if cont.rewrites_history:
+                    how["template_rewrites_history"] = True
+                return Prompt(cont.ids, conversation, how)
+            how["reason"] = "template_rewrites_answer"
     msgs = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     if not msgs:
         raise APIError(400, "input must contain at least one item.", param="input")
@@ -141,11 +145,11 @@ def sampling(body: R.ResponsesRequest, max_tokens: int) -> SamplingParams:
 def report(rep: dict[str, Any], how: dict[str, Any]) -> dict[str, Any]:
     """The cache report of a re-rendered continuation names the server as the cause of a miss that
     its re-rendering made (never a change of the client's)."""
-    if how.get("reason") == "template_rewrites_history" and rep.get("miss_reason") == "diverged":
+    if how.get("reason") == "template_rewrites_answer" and rep.get("miss_reason") == "diverged":
         rep["detail"] = {**(rep.get("detail") or {}), "likely_cause": "server_re_rendered",
-                         "hint": "the model's chat template rewrites earlier turns once later ones "
-                                 "exist, so the server rendered the stored conversation again; "
-                                 "nothing the client sent changed"}
+                         "hint": "the model's chat template rewrites an earlier answer once later "
+                                 "turns exist, so the server rendered the stored conversation "
+                                 "again; nothing the client sent changed"}
     return rep
 
 
