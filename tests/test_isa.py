@@ -18,7 +18,7 @@ SPR = SKX | {"avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16"}
 @pytest.mark.parametrize("flags, best", [
     (set(), "portable"), ({"sse4_2", "avx"}, "portable"), ({"avx2", "f16c"}, "portable"),
     (ZEN3, "avx2"), (ALDER, "avxvnni"), (SKX, "avx2"), (SPR, "avx512"),
-    (SPR - {"avx512bw"}, "avxvnni"),
+    (SPR - {"avx512bw"}, "avxvnni"), (SPR | {"amx_int8"}, "amx"), (SKX | {"amx_tile", "amx_int8"}, "avx2"),
 ])
 def test_flags_choose_the_best_level(flags, best):
     assert isa.best_level(frozenset(flags)).name == best

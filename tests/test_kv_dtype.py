@@ -125,7 +125,7 @@ def test_kv_dtype_names_sizes_and_refusals():
 # ---------------------------------------------------------------- the C kernels over int8 pools
 
 needs_cc = pytest.mark.skipif(fused.library() is None, reason="no C compiler")
-LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
+LEVELS = ["portable", "avx2", "avxvnni", "avx512", "amx"]
 
 
 @needs_cc

@@ -23,7 +23,7 @@ roundings and the widening give the torch path's exact bits; RMSNorm and SiLU do
 summation order, another exp), so the numerics tag (cache namespace) says which path ran.
 
 The source is compiled once per machine and ISA level (``isa.py``: portable, avx2, avxvnni,
-avx512; the one this CPU runs best unless ``$HOTPREFIX_ISA`` names another) with the system C
+avx512, amx; the one this CPU runs best unless ``$HOTPREFIX_ISA`` names another) with the system C
 compiler (``cc``) and cached under ``~/.cache/hotprefix`` (or ``$HOTPREFIX_CACHE_DIR``), keyed by
 the source, the flags and the CPU. Where no compiler works, or ``ModelConfig.fused_kernels`` is
 off, the model runs the torch ops.
@@ -51,7 +51,7 @@ from hotprefix.model.kv_dtype import kv_dtype_of
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("isa.c", "fused.c", "qgemm.c", "qlayer.c", "attn.c", "select.c")]
+           for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qlayer.c", "attn.c", "select.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
 (``qlinear.py``), attention, and the logits' top-k and argmax."""
 HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h")]

@@ -2,7 +2,9 @@
 #include "isa.h"
 
 const char *hp_isa_level(void) {
-#if defined(HP_AVX512)
+#if defined(HP_AMX)
+    return "amx";
+#elif defined(HP_AVX512)
     return "avx512";
 #elif defined(HP_AVXVNNI)
     return "avxvnni";

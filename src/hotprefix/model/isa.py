@@ -19,7 +19,8 @@ from hotprefix.model.dtype_probe import cpu_flags
 
 ISA_ENV = "HOTPREFIX_ISA"
 """Environment variable naming the level to run (``portable``, ``avx2``, ``avxvnni``,
-``avx512``); unset or ``auto``: the best level the CPU has."""
+``avx512``, ``amx``: AVX-512 with the prefill GEMM on AMX tiles); unset or ``auto``: the best level
+the CPU has."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ LEVELS = (  # lowest first
              ("-march=x86-64-v3", "-mavxvnni"), True),
     IsaLevel("avx512", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}),
              ("-march=x86-64-v4", "-mavx512vnni"), True),
+    IsaLevel("amx", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "amx_tile",
+                               "amx_int8"}),
+             ("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"), True),
 )
 BY_NAME = {lv.name: lv for lv in LEVELS}
 

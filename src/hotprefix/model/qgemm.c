@@ -51,6 +51,7 @@
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
+#define QG_AMX_MIN_ROWS 16 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can */
 
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
  * amax ignores NaN (fmaxf), a NaN value clamps to -QMAX, an infinite amax gives zeros and scale inf.
@@ -533,12 +534,18 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
     }
 }
 
+int qg_amx_ready(void);
+int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
+                  int threads);
+
 /* x [rows][k] fp32 -> y [rows][n]: the activations quantized (scratch from malloc), then the
  * product. Returns -1 when the scratch cannot be allocated (y untouched), else 0. */
 int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
               int threads) {
     const int64_t nb = k / QG_BLOCK;
     if (rows <= 0) return 0;
+    if (rows >= QG_AMX_MIN_ROWS && qg_amx_ready()) /* the same bits on AMX tiles */
+        return qg_linear_amx(w, n, k, x, rows, y, threads);
     int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
