@@ -9,6 +9,9 @@ state instead of exceptions for bad input.
 
 - ``StructuredOutputsParams``: what a request asks for, in vLLM's shape (exactly one of ``json``,
   ``regex``, ``choice``, ``grammar``, ``json_object``); ``SamplingParams.structured_outputs``.
+- JSON schemas compile in llguidance's lenient mode (``JSON_OPTIONS``): a keyword no grammar can
+  enforce (``uniqueItems``, what pydantic writes for a set) is left out and named in
+  ``Grammar.unenforced``, which the server reports; a schema that cannot be honoured is refused.
 - ``GrammarCompiler`` (one an engine): compiles and validates a spec against the model's
   vocabulary and keeps the compiled grammars in an LRU keyed by ``(scope, sha256 of the spec)``.
   The scope is the tenant's cache salt, so one tenant's compiled grammars are never another's

@@ -226,6 +226,10 @@ class ResponseStore:
                 log.warning("skipping the damaged stored response %s: %s", path, e)
                 continue
             recs.append((rec, len(data or b"")))
+        for rec, _ in recs:  # a background response the last process did not finish
+            if rec.response.get("status") in ("queued", "in_progress"):
+                rec.response = {**rec.response, "status": "failed", "error": {
+                    "code": "server_error", "message": "the server restarted before it finished"}}
         recs.sort(key=lambda r: r[0].created_at)
         with self._lock:
             for rec, n in recs:
