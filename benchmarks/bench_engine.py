@@ -111,7 +111,7 @@ class HotprefixContender:
         self.prefill_only = prefill_only  # deterministic mode: its cost is a prefill question
 
     def prefill_tps(self, ids: list[int]) -> float:
-        from hotprefix.sampling import SamplingParams
+        from hotprefix.request.sampling import SamplingParams
 
         out = self.llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)[0]
         assert out.num_cached_tokens == 0, "prefix caching should be off in this benchmark"
@@ -119,7 +119,7 @@ class HotprefixContender:
 
     def decode(self, prompts: list[list[int]], n_out: int) -> dict[str, float]:
         """Greedy decode of n_out tokens for every prompt at once."""
-        from hotprefix.sampling import SamplingParams
+        from hotprefix.request.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=n_out, ignore_eos=True)
         wall, outs = common.timed(lambda: self.llm.generate(prompts, params, use_tqdm=False))
@@ -275,7 +275,7 @@ def parse_args():
 
 def hotprefix_modes(args) -> list[dict]:
     """MODES with the command line applied: --dtype/--weights on the first, skips on the others."""
-    from hotprefix.quality import llm_options
+    from hotprefix.tools.quality import llm_options
 
     first = {**MODES[0], "options": {**MODES[0]["options"], **llm_options(args.dtype, args.weights)}}
     modes = [first]

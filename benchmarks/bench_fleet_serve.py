@@ -220,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from hotprefix.config import EngineConfig, ServerConfig
+    from hotprefix.config.sections import EngineConfig, ServerConfig
     from hotprefix.fleet.app import APP_NAME, fleet_app
     from hotprefix.fleet.config import FleetConfig
     from hotprefix.model.loader import default_model_path
     from hotprefix.router.config import RouterConfig
-    from hotprefix.tokenizer import Tokenizer
+    from hotprefix.text.tokenizer import Tokenizer
 
     opts = {k: float(v) if "." in v else int(v)
             for k, v in (o.split("=", 1) for o in args.router_option)}

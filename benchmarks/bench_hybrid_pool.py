@@ -28,7 +28,7 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.kv_groups import parse_layer_mix
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.cache.window_groups import WindowGroups
-from hotprefix.config import CacheConfig, SchedulerConfig
+from hotprefix.config.sections import CacheConfig, SchedulerConfig
 
 
 def manager(pages: int, bs: int, layout) -> KVCacheManager:

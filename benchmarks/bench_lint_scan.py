@@ -1,4 +1,4 @@
-"""How long the volatile-value scan (``hotprefix.volatile.find_volatile``) takes on hostile input,
+"""How long the volatile-value scan (``hotprefix.text.volatile.find_volatile``) takes on hostile input,
 and how it grows with the input: unclosed placeholders followed by long runs of spaces, tabs or
 brackets, which once made its patterns backtrack for minutes (cubic in the run).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hotprefix.volatile import find_volatile
+from hotprefix.text.volatile import find_volatile
 
 SHAPES = {
     "{{ + spaces": lambda n: "{{ " + " " * n + "x",

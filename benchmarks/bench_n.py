@@ -50,7 +50,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     common.setup_threads(args.threads)
     from hotprefix import SamplingParams
-    from hotprefix.sampling import choice_seed
+    from hotprefix.request.sampling import choice_seed
 
     cached = common.load_hotprefix(args.threads)
     plain = common.load_hotprefix(args.threads, enable_prefix_caching=False)

@@ -65,7 +65,7 @@ def unique_prompt(tok, n: int, tag: str, seed: int) -> list[int]:
 
 
 def gen(llm, prompts, max_tokens: int, ignore_eos: bool = True):
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                         use_tqdm=False)
@@ -161,7 +161,7 @@ def part_c(llm_on, llm_off, tok, turns: int, sys_len: int, user_tokens: int, n_o
         order = [("on", llm_on), ("off", llm_off)] if t % 2 == 0 else [("off", llm_off), ("on", llm_on)]
         res = {}
         for name, llm in order:
-            from hotprefix.sampling import SamplingParams
+            from hotprefix.request.sampling import SamplingParams
 
             res[name] = llm.chat(msgs, SamplingParams(max_tokens=n_out), use_tqdm=False)[0]
         on, off = res["on"], res["off"]

@@ -3,7 +3,7 @@ against transformers float32 on the same GGUF, under teacher forcing over held-b
 
 For each hotprefix mode, every position of every window (default 2,048 positions in windows of
 512 tokens) is scored: our logits (one fresh prefill per window through the engine's own model,
-``hotprefix.quality.all_position_logits``) against transformers' float32 logits of the same
+``hotprefix.tools.quality.all_position_logits``) against transformers' float32 logits of the same
 window. Printed: mode, top-1 agreement, mean and max KL(transformers || ours), positions, and the
 bytes of the weight tensors the mode keeps in memory.
 

@@ -1,4 +1,4 @@
-"""What grammar masking costs a decoded token (structured outputs, ``hotprefix.structured``), at
+"""What grammar masking costs a decoded token (structured outputs, ``hotprefix.request.structured``), at
 batch 1 and 16, on the real default model through the offline ``LLM``.
 
 Every request is constrained by a JSON schema (greedy, ``max_tokens`` tokens at most). The
@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.structured import GrammarState
+from hotprefix.request.structured import GrammarState
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},

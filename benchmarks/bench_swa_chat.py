@@ -498,7 +498,7 @@ def git_head() -> str | None:
 
 
 def run(args, gguf: str) -> int:
-    from hotprefix.tokenizer import Tokenizer
+    from hotprefix.text.tokenizer import Tokenizer
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip() not in ("", "none")]
     unknown = [c for c in configs if c not in CONFIGS]

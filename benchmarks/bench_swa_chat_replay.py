@@ -50,10 +50,10 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key  # noqa: E402
 from hotprefix.cache.kv_groups import parse_layer_mix  # noqa: E402
 from hotprefix.cache.manager import KVCacheManager  # noqa: E402
 from hotprefix.cache.window_groups import WindowGroups  # noqa: E402
-from hotprefix.config import CacheConfig, SchedulerConfig  # noqa: E402
+from hotprefix.config.sections import CacheConfig, SchedulerConfig  # noqa: E402
 from hotprefix.engine.request import Request  # noqa: E402
 from hotprefix.engine.scheduler import Scheduler  # noqa: E402
-from hotprefix.sampling import SamplingParams  # noqa: E402
+from hotprefix.request.sampling import SamplingParams  # noqa: E402
 from hotprefix.server.message_ends import NO_ENDS, MessageEnds  # noqa: E402
 from hotprefix.server.message_ends import message_ends as server_message_ends  # noqa: E402
 
@@ -193,7 +193,7 @@ def main() -> None:
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args()
     from hotprefix.model.metadata import resolve_model_path
-    from hotprefix.tokenizer import Tokenizer
+    from hotprefix.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(resolve_model_path("gemma3-270m"), chat_template=swa.TEMPLATE)
     sessions = swa.make_sessions(tok, args)

@@ -48,7 +48,7 @@ def prompts(tok, system_tokens: int, first_seed: int, n: int) -> list[list[int]]
 
 
 def ttft(llm, p: list[int]) -> tuple[float, dict]:
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1))[0]
     return out.ttft_s, dict(out.cache_report.sources)
@@ -57,7 +57,7 @@ def ttft(llm, p: list[int]) -> tuple[float, dict]:
 def warm_up(llm) -> None:
     """One short request first, as the parent's cold run did for its pool-warm requests: the
     first forward pass of a process pays one-time costs (allocations, weight packing)."""
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     llm.generate([[11, 12, 13, 14, 15]], SamplingParams(temperature=0.0, max_tokens=2),
                  cache_write=False)
@@ -65,7 +65,7 @@ def warm_up(llm) -> None:
 
 def child(args) -> None:
     """One fresh process: TTFT of one prompt read through ``--store`` (prints JSON)."""
-    from hotprefix.tokenizer import Tokenizer  # noqa: F401  (import cost outside the timing)
+    from hotprefix.text.tokenizer import Tokenizer  # noqa: F401  (import cost outside the timing)
 
     common.setup_threads(args.threads)
     llm = common.load_hotprefix(args.threads, kv_store=[args.store], kv_cache_memory="2GiB",

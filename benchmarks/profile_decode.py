@@ -87,7 +87,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     ap = common.base_parser(__doc__)
     ap.add_argument("--weights", default=None, help="LLM(weights=...) (default: the default mode)")

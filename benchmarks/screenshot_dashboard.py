@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.config.sections import EngineConfig, ServerConfig
 from hotprefix.server.app import create_app
 
 ADMIN = "sk-admin-screenshot"

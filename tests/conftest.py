@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hotprefix.model.loader import default_model_path
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -104,7 +104,7 @@ def hf_default_reference(tmp_path_factory):
     from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    from hotprefix import quality
+    from hotprefix.tools import quality
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

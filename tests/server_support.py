@@ -12,7 +12,7 @@ import time
 import httpx
 import uvicorn
 
-from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.config.sections import EngineConfig, ServerConfig
 from hotprefix.server.app import create_app
 
 # ~330 tokens of stable text: a "long system prompt" for cache-hit tests.

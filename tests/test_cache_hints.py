@@ -17,7 +17,7 @@ from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.cache.request import CacheRequest
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LiveServer, tiny_config, wait_idle
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")

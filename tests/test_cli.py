@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from hotprefix.cli import add_config_flags, build_parser, main
-from hotprefix.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from hotprefix.config.sections import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 COMMANDS = ("serve", "generate", "lint", "simulate", "warm")
 

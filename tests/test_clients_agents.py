@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.config.sections import EngineConfig, ServerConfig
 from server_support import LiveServer
 
 agents = pytest.importorskip("agents")

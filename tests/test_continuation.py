@@ -11,7 +11,7 @@ import copy
 
 from hotprefix.server.continuation import continue_ids
 from hotprefix.server.responses import report
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 
 def test_the_tail_is_the_templates_and_the_eos_is_not_repeated(default_tokenizer):

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent

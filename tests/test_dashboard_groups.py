@@ -16,7 +16,7 @@ import re
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from model_support import save_random_model
 from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 from test_dashboard import ADMIN, ARTIFACTS, KEYS, admin, browser, shown, wait_until  # noqa: F401

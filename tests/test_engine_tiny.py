@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.engine.scheduler import RequestRejected
-from hotprefix.sampling import SamplingError
+from hotprefix.request.sampling import SamplingError
 
 
 @pytest.fixture(scope="module")

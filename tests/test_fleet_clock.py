@@ -18,7 +18,7 @@ import pytest
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.fleet.asgi import call_asgi
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.server.fleet_seq import FLEET_SEQ_HEADER, MAX_DIGITS, parse_fleet_seq

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.fleet.asgi import call_asgi
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.hints import PromptKeys, RouteHint
@@ -38,7 +38,7 @@ def keys(engine, tmp_path_factory):
 
 def engine_keys(engine, ids, salt, salt_from_block) -> list[bytes]:
     """The keys the engine itself gives a request of these tokens and salt."""
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     req = engine.add_request(ids, SamplingParams(max_tokens=1), cache_salt=salt,
                              salt_from_block=salt_from_block)
@@ -173,7 +173,7 @@ def test_fleet_config_refuses_bad_values():
 
 def test_a_fleet_refuses_the_in_process_hash(tiny_model_dir):
     pytest.importorskip("ray")
-    from hotprefix.config import ServerConfig
+    from hotprefix.config.sections import ServerConfig
     from hotprefix.fleet.app import fleet_app
 
     with pytest.raises(ConfigError, match="sha256"):

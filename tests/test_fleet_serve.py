@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.fleet.config import FleetConfig
 from server_support import LONG_SYSTEM, free_port, tiny_config
 

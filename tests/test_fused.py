@@ -176,7 +176,7 @@ def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model_dir):
     """The fused RoPE reads its tables unchecked: a context longer than the model's RoPE table is
     refused when the engine starts, not met as an out-of-range read."""
     from hotprefix import LLM
-    from hotprefix.config import ConfigError
+    from hotprefix.config.sections import ConfigError
 
     with pytest.raises(ConfigError, match="max_model_len 4096 exceeds the model's 2048"):
         LLM(tiny_model_dir, num_blocks=16, max_model_len=4096)

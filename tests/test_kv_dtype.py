@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.model import fused
 from hotprefix.model.attention import AttentionMetadata, GatherScratch, PrefillSeq, paged_attention
 from hotprefix.model.kv_dtype import (INT8_SCALE_BYTES, KV_DTYPES, dequantize_int8, quantize_int8,

@@ -15,11 +15,11 @@ from hotprefix import LLM
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.events.publisher import ZmqEventPublisher, replay_endpoint_for
 from hotprefix.events.recorder import PoolEventRecorder
 from hotprefix.events.subscriber import EventSubscriber
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Tests for `hotprefix lint` (src/hotprefix/lint/) and its detectors (src/hotprefix/volatile.py).
+"""Tests for `hotprefix lint` (src/hotprefix/lint/) and its detectors (src/hotprefix/text/volatile.py).
 
 Fixtures live in tests/data/lint/: ``clean_*`` must produce no finding, ``trap_*`` exactly the
 findings asserted here (kind, line, column, token position, cost), ``bad*``/``not_a_request`` exit 2.
@@ -18,8 +18,8 @@ import pytest
 from hotprefix import lint
 from hotprefix.lint import check_drift, lint_files, main
 from hotprefix.model.loader import default_model_path
-from hotprefix.tokenizer import Tokenizer
-from hotprefix.volatile import find_volatile, is_volatile_name
+from hotprefix.text.tokenizer import Tokenizer
+from hotprefix.text.volatile import find_volatile, is_volatile_name
 
 DATA = Path(__file__).parent / "data" / "lint"
 CLEAN = [DATA / "clean_system.txt", DATA / "clean_rag.j2", DATA / "clean_chat.jsonl"]

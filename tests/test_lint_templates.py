@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hotprefix.lint import Finding, Report, lint_files
-from hotprefix.tokenizer import Tokenizer
-from hotprefix.volatile import expression_cause, find_placeholders, find_volatile
+from hotprefix.text.tokenizer import Tokenizer
+from hotprefix.text.volatile import expression_cause, find_placeholders, find_volatile
 
 B = 16
 BODY = ("You are Orbit, the travel assistant of Skyline Airways. You help customers change flights, "
@@ -296,9 +296,9 @@ def test_javascript_template_literals(tok: Tokenizer, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------- the runtime
 def test_importing_the_engine_does_not_import_the_linter() -> None:
-    code = ("import sys, hotprefix.engine.engine, hotprefix.diagnose; "
+    code = ("import sys, hotprefix.engine.engine, hotprefix.text.diagnose; "
             "assert 'hotprefix.lint' not in sys.modules, sorted(m for m in sys.modules "
-            "if m.startswith('hotprefix.lint')); assert 'hotprefix.volatile' in sys.modules")
+            "if m.startswith('hotprefix.lint')); assert 'hotprefix.text.volatile' in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
 
@@ -307,7 +307,7 @@ def test_reading_request_files_does_not_load_the_tokenizer_library() -> None:
     code = textwrap.dedent("""\
         import sys
         from hotprefix.lint.sources import load_samples
-        assert 'hotprefix.tokenizer' not in sys.modules and 'transformers' not in sys.modules
+        assert 'hotprefix.text.tokenizer' not in sys.modules and 'transformers' not in sys.modules
         """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

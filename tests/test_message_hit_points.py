@@ -13,7 +13,7 @@ import os
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.server.message_ends import MAX_TURN_ENDS, cut_points
 from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 from model_support import save_random_model

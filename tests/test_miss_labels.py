@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hotprefix import LLM
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

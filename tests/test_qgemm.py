@@ -277,7 +277,7 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
     """The two-call layer (``qlayer.c``) runs the kernels the per-kernel loop runs, in the same
     order, and the one call for every layer (with the C attention) the two-call layers': the same
     logits to the bit, and the same greedy tokens from decode steps."""
-    from hotprefix import quality
+    from hotprefix.tools import quality
 
     model = real_llm.engine.runner.model
     if model.quant_layers is None:

@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from hotprefix import quality
+from hotprefix.tools import quality
 
 pytestmark = pytest.mark.model
 

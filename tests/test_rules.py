@@ -12,8 +12,8 @@ from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats
-from hotprefix.config import ConfigError, parse_bytes
-from hotprefix.sampling import DEFAULT_MAX_TOKENS, MIN_TEMPERATURE, SamplingParams
+from hotprefix.config.sections import ConfigError, parse_bytes
+from hotprefix.request.sampling import DEFAULT_MAX_TOKENS, MIN_TEMPERATURE, SamplingParams
 from hotprefix.server.tenants import parse_keys
 from hotprefix.simulate.traces import TraceRequest, lookup_limit
 

@@ -12,8 +12,8 @@ import torch
 
 from hotprefix import LLM, SamplingParams
 from hotprefix.cache.report import MissReason
-from hotprefix.logits import RowInput, process
-from hotprefix.sampling import SamplingError, choice_seed
+from hotprefix.request.logits import RowInput, process
+from hotprefix.request.sampling import SamplingError, choice_seed
 
 PROMPT = list(range(300, 340))  # 40 tokens: 2 full blocks of 16 and a partial one
 

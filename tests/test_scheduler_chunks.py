@@ -7,10 +7,10 @@ from __future__ import annotations
 from hotprefix.cache.block_pool import BlockPool
 from hotprefix.cache.hashing import BlockHasher, namespace_key
 from hotprefix.cache.manager import KVCacheManager
-from hotprefix.config import SchedulerConfig
+from hotprefix.config.sections import SchedulerConfig
 from hotprefix.engine.request import Request
 from hotprefix.engine.scheduler import Scheduler
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 
 from test_window_groups import BS, hybrid
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from hotprefix.cli import build_parser
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.server.tenants import tenant_tag
 from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 

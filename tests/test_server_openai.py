@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from hotprefix.config import EngineConfig, ServerConfig
+from hotprefix.config.sections import EngineConfig, ServerConfig
 from server_support import LONG_SYSTEM, LiveServer, wait_idle
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")

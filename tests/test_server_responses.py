@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LiveServer, tiny_config, wait_idle
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")

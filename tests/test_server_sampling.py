@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LiveServer, tiny_config, wait_idle
 
 

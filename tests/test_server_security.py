@@ -12,7 +12,7 @@ import re
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LiveServer, tiny_config, wait_idle
 
 BS = 16

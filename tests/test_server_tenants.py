@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.server.tenants import AuthError, TenantRegistry, parse_keys, tenant_salt, tenant_tag
 
 

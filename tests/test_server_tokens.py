@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from server_support import LONG_SYSTEM, LiveServer, tiny_config, wait_idle
 
 KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")

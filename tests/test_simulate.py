@@ -124,7 +124,7 @@ def test_simulator_and_engine_agree(tiny_model_dir, policy):
     """The same token trace through LLM.generate (one request at a time) and the simulator gives
     the same cached tokens, request by request, with evictions happening."""
     from hotprefix import LLM
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     rng = random.Random(3)
     shared = [[rng.randrange(100, 5000) for _ in range(48)] for _ in range(3)]

@@ -1,5 +1,5 @@
 """SentencePiece GGUF vocabularies (``tokenizer.ggml.model = llama``: Llama 2, Mistral, Gemma),
-built by ``hotprefix.spm_vocab`` into the ``tokenizers`` BPE model.
+built by ``hotprefix.text.spm_vocab`` into the ``tokenizers`` BPE model.
 
 No download: a tiny SentencePiece BPE model is trained in the test (byte fallback, control and
 user-defined pieces), written to a GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` writes a
@@ -28,9 +28,9 @@ import pytest
 spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")
 
-from hotprefix import spm_vocab  # noqa: E402
+from hotprefix.text import spm_vocab  # noqa: E402
 from hotprefix.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from hotprefix.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError  # noqa: E402
 
 CONTROL = ["<start_of_turn>", "<end_of_turn>"]
 USER_DEFINED = ["<table>", "\u2581\u2581", "\u2581\u2581\u2581"]  # Gemma has whitespace runs as these
@@ -353,7 +353,7 @@ def test_chat_template_from_the_file_is_used(tiny, tmp_path):
     v = spm_vocab.vocab_from_metadata({**reader_md, "tokenizer.chat_template":
                                        "{% for m in messages %}<start_of_turn>{{ m['content'] }}"
                                        "<end_of_turn>{% endfor %}"})
-    from hotprefix.tokenizer import _spm_tokenizer
+    from hotprefix.text.tokenizer import _spm_tokenizer
 
     tok = Tokenizer(_spm_tokenizer(v), path)
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
@@ -492,7 +492,7 @@ def test_server_base_model_chat_is_a_400_completions_work_and_a_template_file_gi
     is the decode of its tokens."""
     import httpx
 
-    from hotprefix.config import EngineConfig
+    from hotprefix.config.sections import EngineConfig
     from server_support import LiveServer
 
     style, sp, path, tok = tiny

@@ -15,7 +15,7 @@ import pytest
 
 from hotprefix.cache.ledger import ContentLedger, format_record, parse_record
 from hotprefix.cache.state_dir import StateDir
-from hotprefix.config import ConfigError, ServerConfig
+from hotprefix.config.sections import ConfigError, ServerConfig
 from hotprefix.engine.engine import LLMEngine
 from server_support import LiveServer, tiny_config
 

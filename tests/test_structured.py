@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.request.sampling import SamplingError, SamplingParams
 from hotprefix.server import tools as T
-from hotprefix.structured import GrammarCompiler, GrammarError, StructuredOutputsParams
+from hotprefix.request.structured import GrammarCompiler, GrammarError, StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")

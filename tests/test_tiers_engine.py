@@ -14,7 +14,7 @@ import torch
 
 from hotprefix import LLM
 from hotprefix.cache.tiers.blob import storage_key
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 from valkey_support import valkey_server
 
 BS = 16
@@ -213,7 +213,7 @@ def test_a_valkey_killed_mid_run_fails_no_request(tiny_model_dir, cold):
 def test_tiers_show_in_stats_and_metrics(tiny_model_dir, tmp_path):
     import httpx
 
-    from hotprefix.config import EngineConfig, ServerConfig
+    from hotprefix.config.sections import EngineConfig, ServerConfig
     from server_support import LiveServer
 
     cfg = EngineConfig.from_options(model=tiny_model_dir, num_blocks=128, num_threads=2,

@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from hotprefix.model.loader import default_model_path
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café 東京 🚀",
          "<|im_start|>user\nhi<|im_end|>", "x" * 300]

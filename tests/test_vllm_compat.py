@@ -1,5 +1,5 @@
 """Coming from vLLM: vLLM's option names, output shape, sampling fields, ``vllm serve`` flags and
-metric names, all read through ``hotprefix.vllm_compat``."""
+metric names, all read through ``hotprefix.compat.vllm``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hotprefix import LLM, vllm_compat
 from hotprefix.cli import build_parser, check_vllm_unsupported, engine_config_from_args, main
-from hotprefix.config import ConfigError, EngineConfig, ServerConfig, flat_options
-from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig, flat_options
+from hotprefix.request.sampling import SamplingError, SamplingParams
 from hotprefix.server.tenants import SINGLE_KEY_TENANT, AuthError, TenantRegistry, single_key_file
 from server_support import LiveServer, free_port, tiny_config, wait_idle
 

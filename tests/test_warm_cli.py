@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from hotprefix.config import EngineConfig
-from hotprefix.warm import main as warm_main
+from hotprefix.config.sections import EngineConfig
+from hotprefix.tools.warm import main as warm_main
 from server_support import LONG_SYSTEM, LiveServer
 
 
@@ -95,7 +95,7 @@ def test_warm_reports_an_answer_it_cannot_read(tmp_path, capsys, status, ctype, 
 def test_warm_reads_files_with_the_linters_readers(tmp_path):
     """Every form warm accepts, read by ``hotprefix.lint.sources`` (no server needed)."""
     from hotprefix.lint import LintUsageError
-    from hotprefix.warm import read_prompts
+    from hotprefix.tools.warm import read_prompts
 
     def put(name: str, value) -> str:
         p = tmp_path / name

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hotprefix import LLM, SamplingParams
-from hotprefix.config import ConfigError, EngineConfig, SchedulerConfig
+from hotprefix.config.sections import ConfigError, EngineConfig, SchedulerConfig
 from hotprefix.model.loader import load_model
 
 from model_support import save_random_model, step_last_logits

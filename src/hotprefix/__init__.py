@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from hotprefix.llm import LLM
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +19,6 @@ def __getattr__(name: str) -> Any:
         from hotprefix.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from hotprefix.sampling import SamplingParams
+        from hotprefix.request.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(name)

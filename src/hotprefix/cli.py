@@ -1,14 +1,14 @@
 """Command line: ``hotprefix serve | generate | lint | simulate | warm``, one argparse subcommand each.
 
 Every engine/cache/scheduler/server option of ``serve`` and ``generate`` is a flag whose type,
-default and help text are read from the config dataclasses (``hotprefix.config``), so a default is
+default and help text are read from the config dataclasses (``hotprefix.config.sections``), so a default is
 written in one place only and a new field becomes a flag by itself. ``simulate`` takes its
 arguments from the simulator (``hotprefix.simulate.cli.add_arguments``). ``lint`` and ``warm`` own
 their parsers: their subcommand hands the rest of the line to the module's ``main(argv)``, so
 ``hotprefix lint --help`` is lint's own help. Nothing heavy is imported to build the parser.
 
 ``serve`` and ``generate`` also take ``vllm serve``'s spellings (``--gpu-memory-utilization``, aliases
-from ``hotprefix.vllm_compat``); ``serve`` takes ``--api-key KEY`` (a single key, as vLLM's) and
+from ``hotprefix.compat.vllm``); ``serve`` takes ``--api-key KEY`` (a single key, as vLLM's) and
 answers a vLLM flag hotprefix does not have (``--tensor-parallel-size 2``) with an error naming it
 and what to use instead.
 """
@@ -25,12 +25,12 @@ import types
 import typing
 from typing import Any
 
-from hotprefix.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
+from hotprefix.config.sections import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
                               ServerConfig, field_docs)
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.router.config import RouterConfig
 from hotprefix.simulate import cli as simulate_cli
-from hotprefix.vllm_compat import UNSUPPORTED, flag_aliases, rejection
+from hotprefix.compat.vllm import UNSUPPORTED, flag_aliases, rejection
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -135,7 +135,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hotprefix.engine.engine import LLMEngine
-    from hotprefix.sampling import SamplingParams
+    from hotprefix.request.sampling import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
@@ -186,7 +186,10 @@ PASSTHROUGH = {
     "lint": "static checks of prompt templates and request samples for prefix-cache traps",
     "warm": "prefill system prompts on a running server (POST /v1/cache/warm)",
 }
-"""Commands whose module ``hotprefix.<name>`` parses its own arguments (``main(argv)``)."""
+"""Commands whose module parses its own arguments (``main(argv)``): ``PASSTHROUGH_MODULES``."""
+
+PASSTHROUGH_MODULES = {"lint": "hotprefix.lint", "warm": "hotprefix.tools.warm"}
+"""Command -> the module whose ``main(argv)`` runs it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     passthrough = getattr(args, "passthrough", None)
     if passthrough is not None:  # lint, warm: their own parser reads the rest of the line
-        return importlib.import_module(f"hotprefix.{passthrough}").main(rest)
+        return importlib.import_module(PASSTHROUGH_MODULES[passthrough]).main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -3,7 +3,7 @@
 A thin loop over ``LLMEngine``: queue every prompt, step until all are finished, return outputs in
 the order given. Code written for vLLM runs as is: vLLM's option names (``gpu_memory_utilization``,
 ``enforce_eager``...), ``seed`` and ``served_model_name``, ``sampling_params=``, and the outputs'
-``outputs[0].text`` (names mapped in ``hotprefix.vllm_compat``).
+``outputs[0].text`` (names mapped in ``hotprefix.compat.vllm``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
-from hotprefix.config import ConfigError, EngineConfig
+from hotprefix.config.sections import ConfigError, EngineConfig
 from hotprefix.engine.engine import LLMEngine, RequestOutput
-from hotprefix.sampling import SamplingParams
-from hotprefix.vllm_compat import PROMPT_KEYS, REQUEST_UNSUPPORTED, drop_accepted
+from hotprefix.request.sampling import SamplingParams
+from hotprefix.compat.vllm import PROMPT_KEYS, REQUEST_UNSUPPORTED, drop_accepted
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | Sequence[SamplingParams] | None

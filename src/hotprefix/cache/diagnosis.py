@@ -22,7 +22,7 @@ from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.report import MissReason
 from hotprefix.cache.request import CacheRequest
-from hotprefix.textutil import common_prefix_len
+from hotprefix.text.common import common_prefix_len
 
 
 class CacheView(Protocol):

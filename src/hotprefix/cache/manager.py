@@ -32,7 +32,7 @@ from hotprefix.cache.report import CacheReport, MissReason
 from hotprefix.cache.request import CacheRequest
 from hotprefix.cache.rules import cacheable_blocks
 from hotprefix.cache.stats import CacheStats, request_figures
-from hotprefix.textutil import common_prefix_len
+from hotprefix.text.common import common_prefix_len
 
 from hotprefix.cache.window_groups import WindowGroups
 

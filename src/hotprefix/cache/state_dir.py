@@ -16,7 +16,7 @@ import os
 import stat
 import tempfile
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.engine.request import Request
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""

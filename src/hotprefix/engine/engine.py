@@ -22,8 +22,8 @@ from hotprefix.cache.state_dir import StateDir
 from hotprefix.cache.manager import KVCacheManager
 from hotprefix.cache.window_groups import WindowGroups
 from hotprefix.cache.report import CacheReport
-from hotprefix.config import ConfigError, EngineConfig
-from hotprefix.diagnose import chat_fixed_prefix, explain
+from hotprefix.config.sections import ConfigError, EngineConfig
+from hotprefix.text.diagnose import chat_fixed_prefix, explain
 from hotprefix.engine.detokenizer import IncrementalDetokenizer
 from hotprefix.engine.kv_io import open_tiers
 from hotprefix.engine.request import Request
@@ -31,10 +31,10 @@ from hotprefix.engine.runner import ModelRunner
 from hotprefix.engine.scheduler import RequestRejected, Scheduler
 from hotprefix.events import open_kv_events
 from hotprefix.model.loader import load_model
-from hotprefix.sampling import Sampled, SamplingError, SamplingParams, make_generator
-from hotprefix.structured import GrammarCompiler, GrammarState
-from hotprefix.tokenizer import Tokenizer
-from hotprefix.vllm_compat import CompletionOutput, Logprob, TokenLogprobs
+from hotprefix.request.sampling import Sampled, SamplingError, SamplingParams, make_generator
+from hotprefix.request.structured import GrammarCompiler, GrammarState
+from hotprefix.text.tokenizer import Tokenizer
+from hotprefix.compat.vllm import CompletionOutput, Logprob, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape: one completion per sequence, ``outputs[0].text == text``
-        (``hotprefix.vllm_compat``)."""
+        (``hotprefix.compat.vllm``)."""
         if self.completions is not None:
             return self.completions
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,

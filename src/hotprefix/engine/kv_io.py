@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hotprefix.cache.kv_groups import GroupLayout
-from hotprefix.config import CacheConfig, ConfigError, parse_bytes
+from hotprefix.config.sections import CacheConfig, ConfigError, parse_bytes
 from hotprefix.model.kv_dtype import head_dim_of, kv_dtype_of
 
 log = logging.getLogger(__name__)

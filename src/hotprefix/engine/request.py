@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from hotprefix.cache.manager import CacheRequest
-from hotprefix.sampling import SamplingParams
-from hotprefix.vllm_compat import TokenLogprobs
+from hotprefix.request.sampling import SamplingParams
+from hotprefix.compat.vllm import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -63,7 +63,7 @@ class Request(CacheRequest):
     """Prompt position -> its token's log probabilities (``params.prompt_logprobs``; from 1)."""
     logits_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Structured outputs: the hook the sampler applies after bias and penalties
-    (``hotprefix.logits.RowInput.mask``)."""
+    (``hotprefix.request.logits.RowInput.mask``)."""
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -22,7 +22,7 @@ import os
 import torch
 
 from hotprefix.cache.kv_groups import GroupLayout, plan_groups
-from hotprefix.config import CacheConfig, ConfigError, ModelConfig, parse_bytes
+from hotprefix.config.sections import CacheConfig, ConfigError, ModelConfig, parse_bytes
 from hotprefix.engine.request import Request
 from hotprefix.engine.scheduler import ScheduledChunk
 from hotprefix.model.attention import PAD_BLOCK, AttentionMetadata, PrefillSeq, padded_len
@@ -32,8 +32,8 @@ from hotprefix.model.kv_dtype import resolve_kv_dtype
 from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
-from hotprefix.logits import RowInput
-from hotprefix.sampling import Sampled, sample
+from hotprefix.request.logits import RowInput
+from hotprefix.request.sampling import Sampled, sample
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hotprefix.cache.manager import KVCacheManager
-from hotprefix.config import SchedulerConfig
+from hotprefix.config.sections import SchedulerConfig
 from hotprefix.engine.request import Request, Status
 
 ADMISSION_WINDOW = 64  # waiting requests considered for cache-aware ordering each step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from hotprefix.config import CacheConfig, ConfigError
+from hotprefix.config.sections import CacheConfig, ConfigError
 
 if TYPE_CHECKING:
     from hotprefix.cache.block_pool import BlockPool

@@ -21,7 +21,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from hotprefix.config import ConfigError, EngineConfig, ServerConfig
+from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.frontend import ENGINE_DEPLOYMENT, Frontend
 from hotprefix.fleet.replica import EngineReplica

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.router.config import POLICIES
 
 FLEET_POLICIES = POLICIES + ("ray_default",)

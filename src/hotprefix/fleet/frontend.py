@@ -49,7 +49,7 @@ from hotprefix.server.fleet_seq import FLEET_SEQ_HEADER
 from hotprefix.server.limits import BodyLimit
 from hotprefix.server.protocol import error_body
 from hotprefix.server.tenants import TenantRegistry
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from hotprefix.cache.hashing import BlockHasher, BlockKey
 from hotprefix.server import anthropic_protocol as A
 from hotprefix.server import protocol as P
 from hotprefix.server.tenants import AuthError, TenantRegistry, bearer_key
-from hotprefix.tokenizer import Tokenizer, TokenizerError
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 """Routes whose requests are routed by their prompt (the rest by load)."""

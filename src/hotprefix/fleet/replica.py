@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import ray
 from ray import serve
 
-from hotprefix.config import ConfigError, EngineConfig, ServerConfig
+from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.asgi import Header, call_asgi
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.hints import RouteHint

@@ -19,7 +19,7 @@ Files: ``samples`` (what a read input is), ``jsonpos`` (JSON with file positions
 (readers of request files and prompts, also used by ``hotprefix warm``), ``python_source``,
 ``python_module`` and ``js_source`` (templates in code), ``rendering`` (chat template + tokenizer), ``checks`` (volatile
 content, varying system prompts, a whole run), ``drift`` (two tokenizers), ``report`` (findings and
-their text), ``cli``. The detectors themselves live in ``hotprefix.volatile``, shared with the
+their text), ``cli``. The detectors themselves live in ``hotprefix.text.volatile``, shared with the
 runtime's miss diagnosis, which never imports this package.
 
 This package knows nothing about the model's weights, the KV pool or the engine; it needs only a

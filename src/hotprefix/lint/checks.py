@@ -16,9 +16,9 @@ from hotprefix.lint.rendering import Prompt, render, token_index
 from hotprefix.lint.report import Finding, Report, blocks, by_kind, cost, cost_words, short
 from hotprefix.lint.samples import Field, Sample
 from hotprefix.lint.sources import load_samples
-from hotprefix.textutil import common_prefix_len
-from hotprefix.tokenizer import Tokenizer
-from hotprefix.volatile import Match, find_volatile, placeholder_matches
+from hotprefix.text.common import common_prefix_len
+from hotprefix.text.tokenizer import Tokenizer
+from hotprefix.text.volatile import Match, find_volatile, placeholder_matches
 
 
 def _where(fld: Field | None, sample: Sample) -> str:

@@ -13,13 +13,13 @@ import json
 import sys
 from typing import NoReturn
 
-from hotprefix.config import CacheConfig
+from hotprefix.config.sections import CacheConfig
 from hotprefix.lint.checks import lint_files
 from hotprefix.lint.drift import check_drift
 from hotprefix.lint.report import format_human
 from hotprefix.lint.samples import LintUsageError
 from hotprefix.lint.sources import check_input_file
-from hotprefix.tokenizer import Tokenizer, TokenizerError
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 

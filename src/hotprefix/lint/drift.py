@@ -13,8 +13,8 @@ from hotprefix.lint.rendering import render
 from hotprefix.lint.report import Finding, Report, by_kind, cost, short
 from hotprefix.lint.samples import Sample
 from hotprefix.lint.sources import load_samples
-from hotprefix.textutil import common_prefix_len
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.common import common_prefix_len
+from hotprefix.text.tokenizer import Tokenizer
 
 
 def _render_ids(sample: Sample, tok: Tokenizer) -> tuple[list[int] | None, str | None]:

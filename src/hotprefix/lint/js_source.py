@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from hotprefix.lint.samples import Field, Sample, SourceFile
-from hotprefix.volatile import find_placeholders
+from hotprefix.text.volatile import find_placeholders
 
 JS_SUFFIXES = (".js", ".mjs", ".cjs", ".jsx", ".ts", ".mts", ".cts", ".tsx")
 

@@ -12,7 +12,7 @@ import re
 from typing import Iterator
 
 from hotprefix.lint.samples import SourceFile
-from hotprefix.volatile import expression_cause
+from hotprefix.text.volatile import expression_cause
 
 _SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp,
            ast.SetComp, ast.DictComp, ast.GeneratorExp)

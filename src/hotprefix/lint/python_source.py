@@ -26,7 +26,7 @@ import string
 
 from hotprefix.lint.python_module import PyModule, name_of
 from hotprefix.lint.samples import Field, LintUsageError, Sample, SourceFile
-from hotprefix.volatile import Placeholder, find_placeholders
+from hotprefix.text.volatile import Placeholder, find_placeholders
 
 PYTHON_SUFFIXES = (".py", ".pyi")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hotprefix.lint.samples import Sample
-from hotprefix.textutil import common_prefix_len
-from hotprefix.tokenizer import Tokenizer, TokenizerError
-from hotprefix.volatile import first_stable_placeholder
+from hotprefix.text.common import common_prefix_len
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError
+from hotprefix.text.volatile import first_stable_placeholder
 
 
 @dataclass

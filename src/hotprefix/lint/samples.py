@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hotprefix.lint.jsonpos import raw_offset
-from hotprefix.volatile import Placeholder
+from hotprefix.text.volatile import Placeholder
 
 
 class LintUsageError(Exception):

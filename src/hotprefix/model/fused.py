@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from hotprefix.cachedir import cache_dir
+from hotprefix.files.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
 from hotprefix.model.isa import BY_NAME, ISA_ENV, IsaLevel, best_level, compile_flags, requested_level
 from hotprefix.model.kv_dtype import kv_dtype_of

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 from hotprefix.model.metadata import KV_ELEMENT_BYTES
 
 INT8_SCALE_BYTES = KV_ELEMENT_BYTES["int8"][1]

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hotprefix.config import WEIGHT_MODES  # noqa: F401  (re-exported)
+from hotprefix.config.sections import WEIGHT_MODES  # noqa: F401  (re-exported)
 from hotprefix.model.dtype_probe import cpu_flags
 from hotprefix.model.qlinear import fast_block_kernels
 

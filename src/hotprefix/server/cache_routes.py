@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import LLMEngine
-from hotprefix.sampling import SamplingParams
+from hotprefix.request.sampling import SamplingParams
 from hotprefix.server import protocol as P
 from hotprefix.server.deps import admin_dep, get_state, tenant_dep
 from hotprefix.server.errors import engine_error

@@ -7,7 +7,7 @@ The spec is compiled here, in a worker thread before the request is queued, so a
 not compile is a 400 naming the schema's error (and the field it came from), never a 500 and never
 unconstrained output; the engine then finds the compiled grammar in its per-tenant cache.
 
-Knows the request bodies and ``hotprefix.structured``; not the routes or the engine's internals.
+Knows the request bodies and ``hotprefix.request.structured``; not the routes or the engine's internals.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from hotprefix.server import protocol as P
 from hotprefix.server import tool_formats as F
 from hotprefix.server import tools as T
-from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
+from hotprefix.request.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 

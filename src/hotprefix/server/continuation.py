@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotprefix.server import tools as T
-from hotprefix.tokenizer import Tokenizer, TokenizerError
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError
 
 SENTINEL = "\ue000hotprefix-answer\ue001"
 """Stands for the stored answer's text while the template renders (private-use characters, which

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hotprefix.engine.async_engine import EngineStopped, QueueFull
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.engine.scheduler import RequestRejected
-from hotprefix.sampling import SamplingError
+from hotprefix.request.sampling import SamplingError
 from hotprefix.server import anthropic_protocol as A
 from hotprefix.server.limits import CODE as TOO_LARGE_CODE
 from hotprefix.server.protocol import APIError, error_body

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from hotprefix.cache.report import CacheReport
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
-from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.request.sampling import SamplingError, SamplingParams
 from hotprefix.server import constraints as C
 from hotprefix.server import logprobs as L
 from hotprefix.server import protocol as P
@@ -33,7 +33,7 @@ from hotprefix.server.message_ends import NO_ENDS, MessageEnds, message_ends
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import LogprobView, collect, stream_response
 from hotprefix.server.tenants import Tenant
-from hotprefix.tokenizer import TokenizerError
+from hotprefix.text.tokenizer import TokenizerError
 
 request_log = logging.getLogger("hotprefix.requests")
 router = APIRouter()

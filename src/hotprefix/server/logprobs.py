@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from hotprefix.sampling_limits import MAX_LOGPROBS, MAX_N
+from hotprefix.request.sampling_limits import MAX_LOGPROBS, MAX_N
 from hotprefix.server import protocol as P
-from hotprefix.tokenizer import Tokenizer
-from hotprefix.vllm_compat import TokenLogprobs
+from hotprefix.text.tokenizer import Tokenizer
+from hotprefix.compat.vllm import TokenLogprobs
 
 MAX_COMPLETION_LOGPROBS = 5
 """Most alternatives per token in ``/v1/completions`` (OpenAI's limit; chat takes MAX_LOGPROBS)."""

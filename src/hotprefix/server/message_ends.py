@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 from hotprefix.server.state import ServerState
-from hotprefix.textutil import common_prefix_len
-from hotprefix.tokenizer import TokenizerError
+from hotprefix.text.common import common_prefix_len
+from hotprefix.text.tokenizer import TokenizerError
 
 MAX_TURN_ENDS = 2
 """Earlier turns' ends marked per request, the latest ones (the previous turn's end is where a

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
-from hotprefix.sampling import SamplingError, SamplingParams
-from hotprefix.textutil import common_prefix_len
+from hotprefix.request.sampling import SamplingError, SamplingParams
+from hotprefix.text.common import common_prefix_len
 from hotprefix.server import anthropic_protocol as A
 from hotprefix.server import anthropic_tools as AT
 from hotprefix.server import constraints as C
@@ -40,7 +40,7 @@ from hotprefix.server.message_ends import NO_ENDS, message_ends
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
 from hotprefix.server.tenants import Tenant
-from hotprefix.tokenizer import TokenizerError
+from hotprefix.text.tokenizer import TokenizerError
 
 ROUTE = "messages"
 """The route's label in metrics and request logs."""

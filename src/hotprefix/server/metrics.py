@@ -5,7 +5,7 @@ finish. Cache and queue metrics are read from the engine's ``cache_stats()`` sna
 engine thread just before each scrape, and exposed by a custom collector.
 
 The signals vLLM also has are exported under vLLM's names too (``vllm:num_requests_running``...,
-mapped in ``hotprefix.vllm_compat.METRICS``): each such family is a renamed copy of its hotprefix
+mapped in ``hotprefix.compat.vllm.METRICS``): each such family is a renamed copy of its hotprefix
 twin made at scrape time, so the two always carry the same values.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hotprefix.vllm_compat import METRICS as VLLM_METRICS
+from hotprefix.compat.vllm import METRICS as VLLM_METRICS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

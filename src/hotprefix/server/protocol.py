@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hotprefix.sampling_limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from hotprefix.request.sampling_limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 MAX_TTL_S = 86400.0
 """Longest retention pin a request may ask for (seconds)."""

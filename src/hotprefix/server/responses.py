@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from hotprefix.engine.engine import RequestOutput
-from hotprefix.sampling import SamplingError, SamplingParams
+from hotprefix.request.sampling import SamplingError, SamplingParams
 from hotprefix.server import constraints as C
 from hotprefix.server import responses_protocol as R
 from hotprefix.server import responses_stream as S

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.engine.async_engine import AsyncEngine
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.engine.request import Request as EngineRequest

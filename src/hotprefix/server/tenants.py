@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 
 ADMIN_TENANT = "__admin__"
 """The tenant name of requests sent with the admin key."""

@@ -26,7 +26,7 @@ vocabularies, which the detokenizer leaves out of the text; so an answer that *s
 JSON object (``llama3_json``) or a JSON list of calls (``mistral``) reads as calls without its
 marker too. The grammar of a required call writes the marker as text (only ``mistral`` has one).
 
-Each format: ``grammar(functions, parallel)`` (a ``hotprefix.structured`` spec),
+Each format: ``grammar(functions, parallel)`` (a ``hotprefix.request.structured`` spec),
 ``parse(text, functions, parallel) -> (content, calls)`` for a whole answer, and
 ``stream(functions, parallel)``: an object with ``feed(text)`` and ``end()`` returning
 ``("content", text)`` / ``("call", call)`` events in order, like ``tools.CallStream``.
@@ -40,7 +40,7 @@ import json
 from typing import Any, Protocol
 
 from hotprefix.server import tools as T
-from hotprefix.structured import JSON_OPTIONS, StructuredOutputsParams
+from hotprefix.request.structured import JSON_OPTIONS, StructuredOutputsParams
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_MARKER = "[TOOL_CALLS]"

@@ -16,7 +16,7 @@ prefix. The model answers a call as
 Assistant messages with ``tool_calls`` render back in that form and ``tool`` messages as
 ``<tool_response>...</tool_response>`` in a ``tool`` turn (when the template does not render them).
 
-Knows nothing about the engine; the grammar is a ``hotprefix.structured`` spec.
+Knows nothing about the engine; the grammar is a ``hotprefix.request.structured`` spec.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hotprefix.structured import JSON_OPTIONS, StructuredOutputsParams
+from hotprefix.request.structured import JSON_OPTIONS, StructuredOutputsParams
 
 MAX_TOOLS = 128
 """Most functions one request may offer."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from hotprefix.cache.eviction import POLICIES
 from hotprefix.cache.kv_groups import parse_layer_mix
-from hotprefix.config import CacheConfig
+from hotprefix.config.sections import CacheConfig
 from hotprefix.model.metadata import KV_ELEMENT_BYTES, ModelLoadError, kv_bytes_per_token
 from hotprefix.simulate import fleet_cli, traces
 from hotprefix.simulate.argtypes import int_at_least, non_negative_int, positive_int

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
-from hotprefix.config import CacheConfig
+from hotprefix.config.sections import CacheConfig
 from hotprefix.events.recorder import PoolEventRecorder
 from hotprefix.router import Router, RouterConfig
 from hotprefix.simulate.pool import pool_blocks, sim_pool

@@ -21,7 +21,7 @@ from hotprefix.cache.kv_groups import GroupLayout
 from hotprefix.cache.ledger import ContentLedger
 from hotprefix.cache.manager import CacheRequest, KVCacheManager
 from hotprefix.cache.window_groups import WindowGroups
-from hotprefix.config import CacheConfig, SchedulerConfig
+from hotprefix.config.sections import CacheConfig, SchedulerConfig
 from hotprefix.simulate.min_policy import MinPolicy, next_uses
 from hotprefix.simulate.pool import pool_blocks, sim_pool
 from hotprefix.simulate.tier import TIER_NAME, StoreTier

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from hotprefix.cache.tiers.base import PutItem, Tier, TierOptions, register
 from hotprefix.cache.tiers.lru import PriorityLRU
-from hotprefix.config import ConfigError, parse_bytes
+from hotprefix.config.sections import ConfigError, parse_bytes
 
 
 @register("host")

@@ -262,12 +262,12 @@ class EngineConfig:
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
         """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections; vLLM's names
-        (``gpu_memory_utilization``...) are read through ``hotprefix.vllm_compat``.
+        (``gpu_memory_utilization``...) are read through ``hotprefix.compat.vllm``.
 
         Raises:
             ConfigError: an option is unknown or has an invalid value.
         """
-        from hotprefix.vllm_compat import engine_options  # vLLM's names -> ours (imports this module)
+        from hotprefix.compat.vllm import engine_options  # vLLM's names -> ours (imports this module)
 
         options = engine_options(options)
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
@@ -283,7 +283,7 @@ class EngineConfig:
         return cfg
 
     def replace(self, **options: Any) -> "EngineConfig":
-        from hotprefix.vllm_compat import engine_options
+        from hotprefix.compat.vllm import engine_options
 
         flat = {**flat_options(self), **engine_options(options)}
         return EngineConfig.from_options(**flat)

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from hotprefix.config import ServerConfig
+from hotprefix.config.sections import ServerConfig
 from hotprefix.lint.samples import LintUsageError
 from hotprefix.lint.sources import is_code, load_samples
 

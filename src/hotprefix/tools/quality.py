@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hotprefix.config import ConfigError, ModelConfig
+from hotprefix.config.sections import ConfigError, ModelConfig
 
 DEFAULT_WINDOW = 512
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hotprefix.config import ConfigError
+from hotprefix.config.sections import ConfigError
 
 OPTIONS: dict[str, str] = {
     "model": "model",

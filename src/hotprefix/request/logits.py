@@ -9,7 +9,7 @@
      each token present in the output (OpenAI's definitions; the prompt does not count);
   3. the row's ``mask`` hook (structured outputs: the tokens a grammar forbids become -inf).
 
-Temperature comes after, in the sampler (``hotprefix.sampling.sample``). Everything here reads one
+Temperature comes after, in the sampler (``hotprefix.request.sampling.sample``). Everything here reads one
 row's logits, parameters and tokens only, never another row's: a request's tokens do not depend on
 what else is in its batch.
 """
@@ -28,7 +28,7 @@ class RowInput:
     """What the sampler knows about one row: the sequence's parameters, stream and tokens."""
 
     params: Any
-    """The sequence's ``hotprefix.sampling.SamplingParams`` (not imported: it imports this module)."""
+    """The sequence's ``hotprefix.request.sampling.SamplingParams`` (not imported: it imports this module)."""
     generator: torch.Generator | None
     token_ids: Sequence[int]
     """The prompt followed by the tokens generated so far."""

@@ -1,5 +1,5 @@
 """The ranges of the sampling parameters beyond temperature and top-p: one place for the sampler
-(``hotprefix.sampling``) and the API schemas (``hotprefix.server.protocol``). Imports nothing."""
+(``hotprefix.request.sampling``) and the API schemas (``hotprefix.server.protocol``). Imports nothing."""
 
 MAX_N = 64
 """Most sequences one request may ask for (``n``, ``best_of``): each decodes like a request."""

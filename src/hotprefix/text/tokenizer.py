@@ -2,7 +2,7 @@
 
 Loads the tokenizer that belongs to the model (GGUF metadata, or tokenizer.json in a Hugging Face
 directory) through ``transformers``/``tokenizers``. A GGUF's SentencePiece vocabulary (Llama 2,
-Mistral, Gemma) is built by ``hotprefix.spm_vocab`` into the ``tokenizers`` library's BPE model,
+Mistral, Gemma) is built by ``hotprefix.text.spm_vocab`` into the ``tokenizers`` library's BPE model,
 giving llama.cpp's ids; other GGUF vocabularies through transformers' GGUF support. The fingerprint
 covers everything that decides which token ids a text becomes: vocabulary, merges (for a
 SentencePiece vocabulary: its pieces, scores, token types, byte fallback and flags), normalizer and
@@ -32,8 +32,8 @@ from typing import Any, Sequence
 import numpy as np
 from transformers.utils import logging as hf_logging
 
-from hotprefix import spm_vocab
-from hotprefix.cachedir import cache_dir
+from hotprefix.text import spm_vocab
+from hotprefix.files.cachedir import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -262,7 +262,7 @@ class GrammarState:
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ([vocab], the row after bias and penalties) with every token the grammar
-        disallows set to -inf, in place (``hotprefix.logits.RowInput.mask``). Columns past the
+        disallows set to -inf, in place (``hotprefix.request.logits.RowInput.mask``). Columns past the
         grammar's vocabulary (padding of the model's) are disallowed too."""
         import torch
 

@@ -1,7 +1,7 @@
 """Turns a cache report's token ids into words: excerpts of what was sent vs what the cache holds
 at the point of divergence, and a guess at the cause (timestamp, date, UUID, id, counter...).
 
-Uses the volatile-content detectors of ``hotprefix.volatile`` (shared with ``hotprefix lint``, which
+Uses the volatile-content detectors of ``hotprefix.text.volatile`` (shared with ``hotprefix lint``, which
 the runtime never imports), so the runtime report and the linter name causes the same way.
 Knows the tokenizer; knows nothing about blocks or tensors.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotprefix.textutil import common_prefix_len
+from hotprefix.text.common import common_prefix_len
 from hotprefix.cache.report import CacheReport, MissReason
-from hotprefix.volatile import find_volatile
-from hotprefix.tokenizer import Tokenizer, TokenizerError
+from hotprefix.text.volatile import find_volatile
+from hotprefix.text.tokenizer import Tokenizer, TokenizerError
 
 
 TOOL_BLOCK_MARKERS = ('{"function": {', '"parameters": {', '"description": "', "<tools>", "</tools>")

@@ -1,6 +1,6 @@
 """Sampling parameters (validated) and the sampler.
 
-Each row's logits first go through the request's own processing (``hotprefix.logits``: logit_bias,
+Each row's logits first go through the request's own processing (``hotprefix.request.logits``: logit_bias,
 penalties, the constraint mask, in that order). Then greedy when temperature is below
 ``MIN_TEMPERATURE`` (0 included); otherwise temperature, top-k and top-p, drawn from a per-sequence
 ``torch.Generator`` so a seeded request gives the same tokens whatever else is in the batch. Log
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from hotprefix.logits import RowInput, needs_processing, process
-from hotprefix.sampling_limits import MAX_ABS_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
-from hotprefix.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
-from hotprefix.vllm_compat import SAMPLING_UNSUPPORTED, drop_accepted
+from hotprefix.request.logits import RowInput, needs_processing, process
+from hotprefix.request.sampling_limits import MAX_ABS_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from hotprefix.request.structured import GrammarError, StructuredOutputsParams, structured_from_vllm
+from hotprefix.compat.vllm import SAMPLING_UNSUPPORTED, drop_accepted
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (dividing logits by ~0 would overflow); SamplingParams stores
@@ -90,7 +90,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit, in [-100, 100] (-100 bans a token, +100 forces it)."""
     structured_outputs: StructuredOutputsParams | None = None
-    """Constrain the output to a JSON schema, regex, choice or grammar (``hotprefix.structured``;
+    """Constrain the output to a JSON schema, regex, choice or grammar (``hotprefix.request.structured``;
     vLLM's field; a dict of its fields or vLLM's ``guided_decoding`` is read as one)."""
 
     def __post_init__(self) -> None:
@@ -216,7 +216,7 @@ _FIELDS = frozenset(f.name for f in fields(SamplingParams))
 def _with_vllm_fields(init):
     """``SamplingParams(...)`` also takes vLLM's fields that hotprefix lacks (``n``,
     ``presence_penalty``...) when their value asks for nothing more (``n=1``); any other value is a
-    SamplingError naming the field and what to use instead (``hotprefix.vllm_compat``)."""
+    SamplingError naming the field and what to use instead (``hotprefix.compat.vllm``)."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if "guided_decoding" in kwargs:  # vLLM's name before structured_outputs
@@ -295,7 +295,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
 def sample(logits: torch.Tensor, rows: Sequence[RowInput],
            argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[Sampled]:
     """One token per row of ``logits`` ([rows, vocab], float32), each row processed with its own
-    request's parameters and tokens only (``hotprefix.logits.process``: never another row's).
+    request's parameters and tokens only (``hotprefix.request.logits.process``: never another row's).
 
     Args:
         rows: per row, the sequence's parameters, random stream and tokens so far.
