@@ -97,7 +97,8 @@ def damage(kind: str) -> None:
 
 
 def main() -> None:
-    from hotprefix import LLM, quality
+    from hotprefix import LLM
+    from hotprefix.tools import quality
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=None,

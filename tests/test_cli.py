@@ -12,7 +12,8 @@ from typing import Literal
 
 import pytest
 
-from hotprefix.cli import add_config_flags, build_parser, main
+from hotprefix.cli import build_parser, main
+from hotprefix.config.flags import add_config_flags
 from hotprefix.config.sections import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 COMMANDS = ("serve", "generate", "lint", "simulate", "warm")

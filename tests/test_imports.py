@@ -2,8 +2,8 @@
 
 The graph is read from the source with ``ast``: an edge ``a -> b`` for every import of ``b`` in
 ``a``'s module-level code (``try:`` and ``if TYPE_CHECKING:`` blocks included: a circle through type
-hints is still a circle in the design, though it cannot fail at run time; imports inside functions
-are deferred on purpose and left out). ``from pkg import name`` points at ``pkg.name`` when that is
+hints is still a circle in the design, though it cannot fail at run time) and, for the strictest
+check, inside functions too (a deferred import dodges the failure at load time, not the circle). ``from pkg import name`` points at ``pkg.name`` when that is
 a module, else at ``pkg``. The implicit import of a parent package (``pkg/__init__`` before
 ``pkg.mod``) is not an edge: a package that re-exports its own modules is not a circle.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 
 import hotprefix
@@ -31,9 +33,12 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level_imports(tree: ast.Module, runtime_only: bool):
+def _module_level_imports(tree: ast.Module, runtime_only: bool, deferred: bool = False):
     """Import statements outside any function or class body (and outside ``if TYPE_CHECKING:``
-    when ``runtime_only``)."""
+    when ``runtime_only``); with ``deferred``, every import statement of the module."""
+    if deferred:
+        yield from (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        return
     stack: list[ast.stmt] = list(tree.body)
     while stack:
         node = stack.pop()
@@ -47,14 +52,16 @@ def _module_level_imports(tree: ast.Module, runtime_only: bool):
                     stack.append(child)
 
 
-def import_graph(runtime_only: bool = False) -> dict[str, dict[str, int]]:
-    """module -> {imported hotprefix module: line of the first such import}."""
+def import_graph(runtime_only: bool = False, deferred: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {imported hotprefix module: line of the first such import}; ``deferred``: imports
+    inside functions count too."""
     files = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
     graph: dict[str, dict[str, int]] = {}
     for mod, path in files.items():
         is_pkg = path.name == "__init__.py"
         edges: dict[str, int] = {}
-        for node in _module_level_imports(ast.parse(path.read_text(), str(path)), runtime_only):
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path)), runtime_only,
+                                          deferred):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -150,6 +157,40 @@ def test_no_import_cycle_among_hotprefix_modules():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_no_import_cycle_through_imports_inside_functions():
+    """Every import statement counts, at module level or inside a function: a deferred import
+    only hides a circle from the interpreter (``cli`` <-> ``fleet.app`` and ``config`` <->
+    ``vllm_compat`` were two, broken by ``config.flags`` and by translating vLLM's names at the edges)."""
+    graph = import_graph(deferred=True)
+    assert "hotprefix.server.app" in graph["hotprefix.cli"]  # _cmd_serve's deferred import is seen
+    cycles = find_cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_the_config_dataclasses_know_nothing_of_vllm():
+    graph = import_graph(deferred=True)
+    assert not any(m.startswith("hotprefix.compat") for m in graph["hotprefix.config.sections"])
+    import hotprefix.config.sections as sections
+
+    with pytest.raises(sections.ConfigError, match="unknown option 'gpu_memory_utilization'"):
+        sections.EngineConfig.from_options(gpu_memory_utilization=0.5)  # the edges translate it
+
+
+ENTRY_POINTS = {"cli.py", "llm.py"}
+"""The modules at the package's top level beside ``__init__.py``: the entry points."""
+
+
+def test_the_top_level_holds_only_the_entry_points():
+    """The folders are the architecture: everything else lives in a package named for what it
+    serves; each entry point's docstring says what it does not know."""
+    top = {p.name for p in ROOT.glob("*.py")} - {"__init__.py"}
+    assert top == ENTRY_POINTS, f"modules at the top level: {sorted(top - ENTRY_POINTS)}"
+    assert len(ENTRY_POINTS) <= 3
+    for name in ENTRY_POINTS:
+        doc = ast.get_docstring(ast.parse((ROOT / name).read_text())) or ""
+        assert "does not know" in doc, f"{name}'s docstring names nothing it does not know"
 
 
 def test_importing_hotprefix_and_its_engine_imports_no_ray():

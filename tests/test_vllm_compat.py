@@ -14,8 +14,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from hotprefix import LLM, vllm_compat
-from hotprefix.cli import build_parser, check_vllm_unsupported, engine_config_from_args, main
+from hotprefix import LLM
+from hotprefix.compat import vllm as vllm_compat
+from hotprefix.cli import build_parser, main
+from hotprefix.config.flags import check_vllm_unsupported, engine_config_from_args
 from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig, flat_options
 from hotprefix.request.sampling import SamplingError, SamplingParams
 from hotprefix.server.tenants import SINGLE_KEY_TENANT, AuthError, TenantRegistry, single_key_file
@@ -54,7 +56,7 @@ def test_vllm_option_sets_its_hotprefix_field(name):
     value, field, expected = VLLM_OPTIONS[name]
     default = flat_options(EngineConfig())
     assert default[field] != expected  # so the check below means something
-    cfg = EngineConfig.from_options(**{name: value})
+    cfg = vllm_compat.engine_config(**{name: value})
     assert getattr(_sections(cfg, field), field) == expected
     assert {k: v for k, v in flat_options(cfg).items() if k != field} == \
         {k: v for k, v in default.items() if k != field}  # nothing else moved
@@ -64,24 +66,24 @@ def test_vllm_option_sets_its_hotprefix_field(name):
                                             ("bfloat16", "bfloat16"), (torch.float16, "float16"),
                                             (torch.bfloat16, "bfloat16")])
 def test_vllm_dtype_spellings(given, expected):
-    assert EngineConfig.from_options(dtype=given).model.dtype == expected
+    assert vllm_compat.engine_config(dtype=given).model.dtype == expected
 
 
 def test_one_setting_under_both_names_is_refused():
     with pytest.raises(ConfigError, match="gpu_memory_utilization.*memory_utilization"):
-        EngineConfig.from_options(gpu_memory_utilization=0.5, memory_utilization=0.6)
-    cfg = EngineConfig.from_options(gpu_memory_utilization=0.5)
-    assert cfg.replace(gpu_memory_utilization=0.7).cache.memory_utilization == 0.7
+        vllm_compat.engine_config(gpu_memory_utilization=0.5, memory_utilization=0.6)
+    cfg = vllm_compat.engine_config(gpu_memory_utilization=0.5)
+    assert cfg.replace(**vllm_compat.engine_options({"gpu_memory_utilization": 0.7})).cache.memory_utilization == 0.7
 
 
 @pytest.mark.parametrize("name", sorted(vllm_compat.UNSUPPORTED))
 def test_unsupported_vllm_option_is_an_error_naming_it(name):
     entry = vllm_compat.UNSUPPORTED[name]
     with pytest.raises(ConfigError) as e:
-        EngineConfig.from_options(**{name: NOT_ACCEPTED})
+        vllm_compat.engine_config(**{name: NOT_ACCEPTED})
     assert f"'{name}'" in str(e.value) and entry.instead in str(e.value)
     for value in entry.accepted:  # asks for what hotprefix does anyway
-        assert EngineConfig.from_options(**{name: value}) == EngineConfig()
+        assert vllm_compat.engine_config(**{name: value}) == EngineConfig()
 
 
 @pytest.mark.parametrize("name", sorted(vllm_compat.SAMPLING_UNSUPPORTED))
@@ -262,7 +264,7 @@ def test_vllm_serve_flags_parse_to_hotprefix_settings():
                                       "--kv-cache-memory-bytes", "1000000"])
     check_vllm_unsupported(args)
     cfg = engine_config_from_args(args)
-    assert cfg == EngineConfig.from_options(
+    assert cfg == vllm_compat.engine_config(
         model="m.gguf", max_model_len=512, gpu_memory_utilization=0.5, num_gpu_blocks_override=256,
         max_num_seqs=4, max_num_batched_tokens=256, block_size=16, dtype="float", enforce_eager=True,
         enable_prefix_caching=False, kv_cache_memory_bytes="1000000")

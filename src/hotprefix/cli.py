@@ -1,136 +1,34 @@
 """Command line: ``hotprefix serve | generate | lint | simulate | warm``, one argparse subcommand each.
 
 Every engine/cache/scheduler/server option of ``serve`` and ``generate`` is a flag whose type,
-default and help text are read from the config dataclasses (``hotprefix.config.sections``), so a default is
-written in one place only and a new field becomes a flag by itself. ``simulate`` takes its
-arguments from the simulator (``hotprefix.simulate.cli.add_arguments``). ``lint`` and ``warm`` own
-their parsers: their subcommand hands the rest of the line to the module's ``main(argv)``, so
-``hotprefix lint --help`` is lint's own help. Nothing heavy is imported to build the parser.
+default and help text are read from the config dataclasses (``hotprefix.config.sections``), so a
+default is written in one place only and a new field becomes a flag by itself; the flags are built
+by ``hotprefix.config.flags``, which the fleet's ``build_app`` reads too. ``serve`` and ``generate``
+also take ``vllm serve``'s spellings (``--gpu-memory-utilization``), and ``serve`` answers a vLLM
+flag hotprefix does not have (``--tensor-parallel-size 2``) with an error naming it and what to use
+instead (both in ``hotprefix.config.flags``). ``simulate`` takes its arguments from the simulator
+(``hotprefix.simulate.cli.add_arguments``). ``lint`` and ``warm`` own their parsers: their subcommand
+hands the rest of the line to the module's ``main(argv)``, so ``hotprefix lint --help`` is lint's own
+help.
 
-``serve`` and ``generate`` also take ``vllm serve``'s spellings (``--gpu-memory-utilization``, aliases
-from ``hotprefix.compat.vllm``); ``serve`` takes ``--api-key KEY`` (a single key, as vLLM's) and
-answers a vLLM flag hotprefix does not have (``--tensor-parallel-size 2``) with an error naming it
-and what to use instead.
+What it does not know: how a flag becomes a setting (the config dataclasses and ``config.flags``
+decide), vLLM's names (``compat.vllm``, through ``config.flags``), and anything of the engine, the
+server or the fleet beyond the one function each command starts; nothing heavy is imported to
+build the parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import importlib
 import logging
 import sys
-import types
-import typing
 from typing import Any
 
-from hotprefix.config.sections import (CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig,
-                              ServerConfig, field_docs)
-from hotprefix.fleet.config import FleetConfig
-from hotprefix.router.config import RouterConfig
+from hotprefix.config.flags import add_engine_flags, add_serve_flags, engine_config_from_args, serve_configs
+from hotprefix.config.sections import ConfigError
 from hotprefix.simulate import cli as simulate_cli
-from hotprefix.compat.vllm import UNSUPPORTED, flag_aliases, rejection
-
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
-
-
-def _base_type(tp: Any) -> Any:
-    """``X | None`` -> ``X`` (the first non-None member of a union); anything else unchanged."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
-
-
-def _flag_kwargs(tp: Any) -> dict[str, Any]:
-    """``add_argument`` keywords that parse a value of the (resolved) field type ``tp``."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if origin is typing.Literal:
-        choices = typing.get_args(tp)
-        return {"type": type(choices[0]), "choices": choices}
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return {"type": tp, "choices": list(tp), "metavar": "{" + ",".join(str(m.value) for m in tp) + "}"}
-    if origin in (list, tuple, set, frozenset):
-        item = typing.get_args(tp)[0] if typing.get_args(tp) else str
-        # repeatable and multi-valued: --kv-store a --kv-store b, or --kv-store a b
-        return {"type": _base_type(item) if isinstance(_base_type(item), type) else str,
-                "nargs": "+", "action": "extend"}
-    if tp in (int, float, str):
-        return {"type": tp}
-    return {"type": str}  # any other type: the dataclass (or its validation) converts the text
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def add_config_flags(parser: argparse.ArgumentParser, sections, skip: tuple[str, ...] = (),
-                     aliases: dict[str, list[str]] | None = None) -> None:
-    """One flag per field of each config dataclass in ``sections``: ``--field-name``, typed from
-    the field's annotation (bool -> ``--x/--no-x``), default and help from the field; ``aliases``
-    maps a field to more spellings of its flag (vLLM's)."""
-    aliases = aliases or {}
-    for dc in sections:
-        group = parser.add_argument_group(dc.__name__, (dc.__doc__ or "").strip())
-        docs = field_docs(dc)
-        hints = typing.get_type_hints(dc)  # annotations are strings under `from __future__ import annotations`
-        for f in dataclasses.fields(dc):
-            if f.name in skip or not f.init:
-                continue
-            default = _field_default(f)
-            if isinstance(default, tuple):
-                default = list(default)  # argparse's "extend" appends to a list
-            help_ = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
-            group.add_argument("--" + f.name.replace("_", "-"), *aliases.get(f.name, ()), dest=f.name,
-                               default=default, help=help_, **_flag_kwargs(_base_type(hints[f.name])))
-
-
-VLLM_DEST = "vllm_unsupported_"
-"""Prefix of the hidden ``serve`` flags that catch vLLM options hotprefix does not have."""
-
-
-def add_vllm_unsupported_flags(parser: argparse.ArgumentParser) -> None:
-    """Hidden flags for vLLM's options that hotprefix lacks, so ``_cmd_serve`` can name them (and
-    accept the values that ask for what hotprefix does anyway, such as ``--tensor-parallel-size 1``)."""
-    taken = set(parser._option_string_actions)
-    for name, entry in UNSUPPORTED.items():
-        flag = "--" + name.replace("_", "-")
-        if flag in taken:
-            continue
-        kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if entry.switch
-                                  else {"type": str})
-        parser.add_argument(flag, dest=VLLM_DEST + name, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS, **kwargs)
-
-
-def check_vllm_unsupported(args: argparse.Namespace) -> None:
-    """Raises ConfigError for the first vLLM flag given with a value hotprefix cannot honour."""
-    for name, entry in UNSUPPORTED.items():
-        if hasattr(args, VLLM_DEST + name):
-            why = rejection(name, getattr(args, VLLM_DEST + name), entry, flag=True)
-            if why:
-                raise ConfigError(why)
-
-
-def _section_kwargs(args: argparse.Namespace, dc) -> dict[str, Any]:
-    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(dc) if hasattr(args, f.name)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    opts: dict[str, Any] = {}
-    for dc in ENGINE_SECTIONS:
-        opts.update(_section_kwargs(args, dc))
-    if getattr(args, "model_pos", None):
-        opts["model"] = args.model_pos
-    return EngineConfig.from_options(**opts)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -161,24 +59,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    check_vllm_unsupported(args)
-    server_cfg = ServerConfig(**_section_kwargs(args, ServerConfig))
+    cfg = serve_configs(args)
+    server_cfg = cfg.server
     if args.api_key is not None:
         from hotprefix.server.tenants import single_key_file
 
         if server_cfg.api_keys:
             raise ConfigError("give --api-key (one key) or --api-keys (a key file), not both")
         server_cfg = dataclasses.replace(server_cfg, api_keys=single_key_file(args.api_key))
-    fleet_cfg = FleetConfig(**_section_kwargs(args, FleetConfig))
-    if fleet_cfg.replicas > 1:  # engine replicas on Ray Serve (hotprefix.fleet, imports Ray)
+    if cfg.fleet.replicas > 1:  # engine replicas on Ray Serve (hotprefix.fleet, imports Ray)
         from hotprefix.fleet.app import serve_fleet
 
-        router_cfg = RouterConfig(**_section_kwargs(args, RouterConfig))
-        serve_fleet(engine_config_from_args(args), server_cfg, fleet_cfg, router_cfg)
+        serve_fleet(cfg.engine, server_cfg, cfg.fleet, cfg.router)
         return 0
     from hotprefix.server.app import serve
 
-    serve(engine_config_from_args(args), server_cfg)
+    serve(cfg.engine, server_cfg)
     return 0
 
 
@@ -199,16 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                   help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
-    add_config_flags(s, ENGINE_SECTIONS, aliases=flag_aliases())
-    add_config_flags(s, (ServerConfig, FleetConfig))
-    # --replicas N: the routing core's settings (its policy is --router; --seed stays vLLM's flag)
-    add_config_flags(s, (RouterConfig,), skip=("policy", "seed"))
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="a single API key, as vllm serve's: one tenant, whose key is also the admin "
-                        "key; every /v1 route and /metrics need it (instead of --api-keys)")
-    add_vllm_unsupported_flags(s)
+    add_serve_flags(s)
     s.set_defaults(func=_cmd_serve)
 
     g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
@@ -221,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("-v", "--verbose", action="store_true")
-    add_config_flags(g, ENGINE_SECTIONS, aliases=flag_aliases())
+    add_engine_flags(g)
     g.set_defaults(func=_cmd_generate)
 
     sub.add_parser("lint", help=PASSTHROUGH["lint"], add_help=False).set_defaults(passthrough="lint")

@@ -3,7 +3,11 @@
 A thin loop over ``LLMEngine``: queue every prompt, step until all are finished, return outputs in
 the order given. Code written for vLLM runs as is: vLLM's option names (``gpu_memory_utilization``,
 ``enforce_eager``...), ``seed`` and ``served_model_name``, ``sampling_params=``, and the outputs'
-``outputs[0].text`` (names mapped in ``hotprefix.compat.vllm``).
+``outputs[0].text`` (names mapped in ``hotprefix.compat.vllm``: this is one of the two edges where
+vLLM's option names are translated, the CLI's flags being the other).
+
+What it does not know: how a step is scheduled or run (``LLMEngine``), tokenization beyond
+``encode_chat``, the cache, the server; it keeps no state beyond its engine and a request counter.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
-from hotprefix.config.sections import ConfigError, EngineConfig
+from hotprefix.config.sections import ConfigError
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.request.sampling import SamplingParams
-from hotprefix.compat.vllm import PROMPT_KEYS, REQUEST_UNSUPPORTED, drop_accepted
+from hotprefix.compat.vllm import PROMPT_KEYS, REQUEST_UNSUPPORTED, drop_accepted, engine_config
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -92,7 +96,7 @@ class LLM:
         if not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"served_model_name must be a non-empty string or a list of them, "
                               f"got {served_model_name!r}")
-        self.config = EngineConfig.from_options(model=model, **options)
+        self.config = engine_config(model=model, **options)  # vLLM's names translated here
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.seed = seed

@@ -5,9 +5,10 @@ enforce_eager=False)``, ``vllm serve`` command lines, ``out.outputs[0].text``, a
 routers that read ``vllm:*`` metrics.
 
 - ``OPTIONS``: vLLM engine option -> the hotprefix config field that holds the same setting.
-  ``EngineConfig.from_options`` routes through ``engine_options`` and the CLI adds each renamed
-  option as a flag alias (``--gpu-memory-utilization``); the config dataclasses stay the only source
-  of defaults. ``seed`` and ``served_model_name`` are options of the offline ``LLM`` itself.
+  The edges translate: the offline ``LLM`` passes its options through ``engine_options`` (or
+  ``engine_config``) and the CLI's flags (``hotprefix.config.flags``) add each renamed option as a flag
+  alias (``--gpu-memory-utilization``); the config dataclasses know nothing of vLLM and stay the
+  only source of defaults. ``seed`` and ``served_model_name`` are options of the offline ``LLM`` itself.
 - ``UNSUPPORTED`` / ``SAMPLING_UNSUPPORTED``: vLLM options and ``SamplingParams`` fields hotprefix
   does not have, each with what to use instead. A value that asks for what hotprefix does anyway
   (``tensor_parallel_size=1``, ``n=1``) is accepted; any other is an error naming the option,
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hotprefix.config.sections import ConfigError
+from hotprefix.config.sections import ConfigError, EngineConfig
 
 OPTIONS: dict[str, str] = {
     "model": "model",
@@ -222,6 +223,15 @@ def engine_options(options: dict[str, Any]) -> dict[str, Any]:
     if "dtype" in out:
         out["dtype"] = DTYPES.get(out["dtype"], out["dtype"])
     return out
+
+
+def engine_config(**options: Any) -> EngineConfig:
+    """``EngineConfig.from_options`` for options under vLLM's names or hotprefix's (``LLM``'s edge).
+
+    Raises:
+        ConfigError: see ``engine_options``; or an unknown option or invalid value.
+    """
+    return EngineConfig.from_options(**engine_options(options))
 
 
 def flag_aliases() -> dict[str, list[str]]:

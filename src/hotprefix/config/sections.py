@@ -1,8 +1,10 @@
 """Frozen configuration dataclasses: the one place where every default lives.
 
-The CLI builds its flags from these fields (name, type, default, docstring), and
-``EngineConfig.from_options`` routes the offline API's keyword options to them, so a
-default is never written twice. This module knows nothing about torch or models.
+The CLI builds its flags from these fields (name, type, default, docstring; ``hotprefix.config.flags``),
+and ``EngineConfig.from_options`` routes the offline API's keyword options to them, so a
+default is never written twice. This module knows nothing about torch or models, nor about vLLM:
+vLLM's option names are translated at the edges (the offline ``LLM``, the CLI's flags) by
+``hotprefix.compat.vllm`` before they reach a config.
 """
 
 from __future__ import annotations
@@ -261,15 +263,12 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
-        """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections; vLLM's names
-        (``gpu_memory_utilization``...) are read through ``hotprefix.compat.vllm``.
+        """Route flat options (``block_size=16, max_num_seqs=8``...) to their sections (hotprefix's
+        names only: the edges translate vLLM's with ``hotprefix.compat.vllm.engine_options``).
 
         Raises:
             ConfigError: an option is unknown or has an invalid value.
         """
-        from hotprefix.compat.vllm import engine_options  # vLLM's names -> ours (imports this module)
-
-        options = engine_options(options)
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {f.name: sec for sec, dc in (("model", ModelConfig), ("cache", CacheConfig),
                                              ("scheduler", SchedulerConfig)) for f in fields(dc)}
@@ -283,9 +282,8 @@ class EngineConfig:
         return cfg
 
     def replace(self, **options: Any) -> "EngineConfig":
-        from hotprefix.compat.vllm import engine_options
-
-        flat = {**flat_options(self), **engine_options(options)}
+        """A copy with some flat options changed (hotprefix's names), validated."""
+        flat = {**flat_options(self), **options}
         return EngineConfig.from_options(**flat)
 
     def validate(self) -> None:

@@ -9,6 +9,7 @@ node that may host a replica needs the model file (and the key file) at the same
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import dataclasses
 import json
@@ -21,6 +22,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from hotprefix.config.flags import add_serve_flags, serve_argv, serve_configs
 from hotprefix.config.sections import ConfigError, EngineConfig, ServerConfig
 from hotprefix.fleet.config import FleetConfig
 from hotprefix.fleet.frontend import ENGINE_DEPLOYMENT, Frontend
@@ -83,32 +85,18 @@ def build_app(args: dict[str, Any]) -> Any:
     Raises:
         ConfigError: an unknown option or an invalid value.
     """
-    from hotprefix.cli import _section_kwargs, build_parser, engine_config_from_args
-
-    parser = build_parser()
-    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    argv = ["serve"]
-    for key, value in args.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = serve_parser._option_string_actions.get(flag)
-        if action is None:
-            raise ConfigError(f"unknown fleet option {key!r} (see hotprefix serve --help)")
-        if value is None:
-            continue
-        if action.nargs == 0:  # a switch
-            on = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-            argv.append(flag if on else "--no-" + flag[2:])
-        else:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            argv += [flag, *map(str, values)]
+    parser = argparse.ArgumentParser(prog="hotprefix serve")
+    actions = add_serve_flags(parser)
+    try:
+        argv = serve_argv(args, actions)
+    except ConfigError as e:
+        raise ConfigError(f"fleet options: {e}") from None
     try:
         ns = parser.parse_args(argv)
     except SystemExit:
         raise ConfigError(f"invalid fleet options: {args}") from None
-    fleet = FleetConfig(**_section_kwargs(ns, FleetConfig))
-    server = ServerConfig(**_section_kwargs(ns, ServerConfig))
-    router = RouterConfig(**_section_kwargs(ns, RouterConfig))
-    return fleet_app(engine_config_from_args(ns), server, fleet, router)
+    cfg = serve_configs(ns)
+    return fleet_app(cfg.engine, cfg.server, cfg.fleet, cfg.router)
 
 
 def shareable_keys(server_config: ServerConfig) -> ServerConfig:
