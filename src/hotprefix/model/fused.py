@@ -51,9 +51,10 @@ from hotprefix.model.kv_dtype import kv_dtype_of
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qlayer.c", "attn.c", "select.c")]
-"""The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM and layer calls
-(``qlinear.py``), attention, and the logits' top-k and argmax."""
+           for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qlayer.c", "qpack.c", "attn.c",
+                     "select.c")]
+"""The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM, layer calls and
+weight packing (``qlinear.py``), attention, and the logits' top-k and argmax."""
 HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h")]
 """Included by the sources (the vector path each level compiles; the KV pool's element types;
 attention's per-chunk arithmetic): part of the build key."""
@@ -85,6 +86,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_linear": ([_P, _I, _I, _P, _I, _P, ctypes.c_int], ctypes.c_int),
     "qg_dequant_rows": ([_P, _I, _I, _P, _I, _P], _I),
     "qg_group_bytes": ([ctypes.c_int, _I], _I),
+    "qg_pack": ([_P, _I, _I, _I, _P, _P, ctypes.c_int], _I),
     "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _F, _P,

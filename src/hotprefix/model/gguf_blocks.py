@@ -20,10 +20,21 @@ A stack of tensors (Q/K/V, gate/up) keeps each group's own format; a group that 
 types is packed 8-bit when both are of the first four, and refused otherwise (``PackError``: the
 model then multiplies that stack in fp32).
 
+``pack_weight`` decides each group's format and writes the buffer's table; the groups are filled
+by ``qpack.c`` (a ``fill`` the caller passes: ``qlinear.QuantWeight``) or, where no kernels build,
+by the numpy code here, which is also the reference the tests compare ``qpack.c`` with, byte for
+byte. A matrix's rows are raw bytes [..., bytes a row], rows in C order of the leading axes: the
+loader gives un-permuted Q/K rows as a view of the file's bytes (no copy). After packing, rows read
+from a read-only memory map have their pages dropped from the process (``release_pages``).
+
 This module knows nothing about the kernels' calls: only bytes.
 """
 
 from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,6 +56,8 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_
 """Bytes of one GGUF block."""
 BLOCK_INPUTS = {kind: SUPER if kind.endswith("_K") else BLOCK for kind in BLOCK_BYTES}
 """Inputs of one GGUF block."""
+PACK_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+"""GGUF block types as ``qpack.c`` numbers them (its ``GK_*``)."""
 
 
 class PackError(ValueError):
@@ -53,8 +66,13 @@ class PackError(ValueError):
 
 
 def block_columns(kind: str, raw: np.ndarray) -> int:
-    """Input columns of a GGUF matrix held as ``raw`` bytes [rows, bytes a row] of ``kind``."""
-    return raw.shape[1] // BLOCK_BYTES[kind] * BLOCK_INPUTS[kind]
+    """Input columns of a GGUF matrix held as ``raw`` bytes [..., bytes a row] of ``kind``."""
+    return raw.shape[-1] // BLOCK_BYTES[kind] * BLOCK_INPUTS[kind]
+
+
+def block_rows(raw: np.ndarray) -> int:
+    """Rows of a GGUF matrix held as ``raw`` bytes [..., bytes a row]."""
+    return int(np.prod(raw.shape[:-1], dtype=np.int64))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -200,23 +218,80 @@ def _pack_run(fmt: int, fields: tuple, groups: int) -> np.ndarray:
     return np.concatenate([blocks.reshape(groups, nsb, -1), sup], axis=-1).reshape(groups, -1)
 
 
-def pack_weight(parts: list[tuple[str, np.ndarray]], k: int) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Tensors stacked along the output dimension, each (GGUF type, raw bytes [rows, bytes a
-    row]) -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups;
-    each group's format). Raises PackError for a group mixing a k-quant with another type."""
+Fill = Callable[[np.ndarray, int, int, np.ndarray, np.ndarray], None]
+"""``fill(buf, groups, k, row_addresses, row_kinds)``: writes every group the table at the start of
+``buf`` names, reading row r's GGUF blocks at address ``row_addresses[r]``, of type
+``PACK_KINDS[row_kinds[r]]`` (``qlinear``'s call of ``qpack.c``)."""
+
+
+def group_formats(parts: list[tuple[str, np.ndarray]]) -> list[int]:
+    """Each group's format for tensors stacked along the output dimension. Raises PackError for a
+    group mixing a k-quant with another type."""
     kinds = [kind for kind, _ in parts]
-    sizes = [raw.shape[0] for _, raw in parts]
-    starts = np.cumsum([0, *sizes])
+    starts = np.cumsum([0, *(block_rows(raw) for _, raw in parts)])
     n = int(starts[-1])
-    groups = -(-n // LANES)
     fmts = []
-    for g in range(groups):  # the formats of the parts with rows in group g
+    for g in range(-(-n // LANES)):  # the formats of the parts with rows in group g
         lo, hi = g * LANES, min(n, (g + 1) * LANES)
         here = {FORMAT[kinds[i]] for i in range(len(parts)) if starts[i] < hi and starts[i + 1] > lo}
         if len(here) > 1 and not here <= set(LOCAL):
             raise PackError(f"rows of {' and '.join(sorted(set(kinds)))} share a group of "
                             f"{LANES} outputs")
         fmts.append(here.pop() if len(here) == 1 else QF_Q8)  # Q4_0 / Q4_1 / Q5_0 / Q8_0 rows: 8-bit
+    return fmts
+
+
+def row_addresses(raw: np.ndarray) -> np.ndarray:
+    """The address of each row of ``raw`` [..., bytes a row] (any strides between rows; a row's
+    bytes contiguous), rows in C order of the leading axes, as int64."""
+    lead = raw.shape[:-1]
+    off = np.zeros(lead, np.int64)
+    for ax, (size, stride) in enumerate(zip(lead, raw.strides[:-1])):
+        shape = [1] * len(lead)
+        shape[ax] = size
+        off = off + (np.arange(size, dtype=np.int64) * stride).reshape(shape)
+    return raw.ctypes.data + off.reshape(-1)
+
+
+def pack_weight(parts: list[tuple[str, np.ndarray]], k: int,
+                fill: Fill | None = None) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Tensors stacked along the output dimension, each (GGUF type, raw bytes [..., bytes a row])
+    -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups;
+    each group's format). The groups are written by ``fill`` (``qpack.c``), or without it by the
+    numpy reference (``pack_groups_reference``); either way the rows' pages of a read-only file
+    map are dropped afterwards (``release_pages``). Raises PackError for a group mixing a k-quant
+    with another type, ValueError for rows whose length is not whole blocks of ``k`` inputs."""
+    for kind, raw in parts:
+        if raw.shape[-1] * BLOCK_INPUTS[kind] != k * BLOCK_BYTES[kind]:
+            raise ValueError(f"{kind} rows of {raw.shape[-1]} bytes do not hold {k} inputs")
+    fmts = group_formats(parts)
+    groups = len(fmts)
+    sizes_g = np.array([group_bytes(f, k // BLOCK) for f in fmts], np.int64)
+    offsets = 8 * groups + np.concatenate([[0], np.cumsum(sizes_g)[:-1]]).astype(np.int64)
+    head = (offsets << 4) | np.array(fmts, np.int64)
+    if fill is None:
+        buf = np.concatenate([head.view(np.uint8), *pack_groups_reference(parts, k, fmts)])
+    else:
+        buf = np.empty(8 * groups + int(sizes_g.sum()), np.uint8)
+        buf[:8 * groups] = head.view(np.uint8)
+        if any(raw.strides[-1] != 1 for _, raw in parts):
+            parts = [(kind, np.ascontiguousarray(raw)) for kind, raw in parts]
+        addresses = np.concatenate([row_addresses(raw) for _, raw in parts])
+        kinds = np.concatenate([np.full(block_rows(raw), PACK_KINDS.index(kind), np.int64)
+                                for kind, raw in parts])
+        fill(buf, groups, k, addresses, kinds)
+    for _, raw in parts:
+        release_pages(raw)
+    return buf, tuple(fmts)
+
+
+def pack_groups_reference(parts: list[tuple[str, np.ndarray]], k: int,
+                          fmts: list[int]) -> list[np.ndarray]:
+    """The groups' bytes in numpy, one array a run of consecutive groups of one format: the
+    reference ``qpack.c`` is tested against, and the path where no kernels build."""
+    parts = [(kind, raw.reshape(-1, raw.shape[-1])) for kind, raw in parts]
+    starts = np.cumsum([0, *(raw.shape[0] for _, raw in parts)])
+    n, groups = int(starts[-1]), len(fmts)
     decoded = [decode(kind, raw, k) for kind, raw in parts]
     runs, g0 = [], 0
     for g in range(1, groups + 1):  # consecutive groups of one format
@@ -229,12 +304,40 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int) -> tuple[np.ndarray
         pieces = [tuple(f[max(lo, s) - s:min(hi, e) - s] for f in decoded[i])
                   for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])) if s < hi and e > lo]
         fields = tuple(np.concatenate(col) for col in zip(*pieces))
-        chunks.append(_pack_run(fmts[g0], fields, g1 - g0))
-    sizes_g = [group_bytes(f, k // BLOCK) for f in fmts]
-    offsets = 8 * groups + np.concatenate([[0], np.cumsum(sizes_g)[:-1]]).astype(np.int64)
-    head = (offsets << 4) | np.array(fmts, np.int64)
-    buf = np.concatenate([head.view(np.uint8), *(c.reshape(-1) for c in chunks)])
-    return buf, tuple(fmts)
+        chunks.append(_pack_run(fmts[g0], fields, g1 - g0).reshape(-1))
+    return chunks
+
+
+_MADV_DONTNEED = 4
+"""Linux's MADV_DONTNEED: a file mapping's pages leave the process (not the page cache)."""
+
+
+def _file_mapped(raw: np.ndarray) -> bool:
+    """Whether ``raw`` is a read-only view of a memory-mapped file (``np.memmap`` mode 'r')."""
+    if raw.flags.writeable:
+        return False
+    base = raw
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    return isinstance(base, mmap.mmap)
+
+
+def release_pages(raw: np.ndarray) -> None:
+    """Drop the pages under ``raw`` from this process' resident memory where it is a read-only
+    view of a file mapping (the GGUF reader's): they were read once to pack them, and the page
+    cache keeps them; a later read maps them again. Elsewhere (or off Linux): nothing."""
+    if not _file_mapped(raw) or raw.size == 0:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    page = mmap.PAGESIZE
+    lo = raw.ctypes.data + min(0, int(np.sum(np.minimum(raw.strides, 0) * (np.array(raw.shape) - 1))))
+    hi = raw.ctypes.data + int(np.sum(np.maximum(raw.strides, 0) * (np.array(raw.shape) - 1))) + 1
+    lo -= lo % page
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise(lo, hi - lo, _MADV_DONTNEED)
 
 
 def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:

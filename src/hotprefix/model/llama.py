@@ -166,7 +166,8 @@ class LlamaModel:
         def pk(op: str, names: list[str]):
             if self.weight_mode == "gguf" and all(n in blocks for n in names):
                 try:
-                    return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]))
+                    return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]),
+                                       qlib)
                 except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
                     log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
             t = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names], 0)

@@ -110,9 +110,10 @@ class LoadedModel:
     tokenizer_source: str
     name: str
     blocks: dict[str, tuple[str, np.ndarray]] = dataclass_field(default_factory=dict)
-    """A GGUF's block-quantized matrices as stored (HF name -> (GGUF type, raw bytes [rows, bytes a
-    row]), Q/K rows in the same order as ``weights``): the ``gguf`` weight mode multiplies with
-    them (``qlinear.GGUF_TYPES``)."""
+    """A GGUF's block-quantized matrices as stored (HF name -> (GGUF type, raw bytes [..., bytes a
+    row]): views of the file's memory map, rows in C order of the leading axes, Q/K rows in the
+    same order as ``weights``): the ``gguf`` weight mode multiplies with them
+    (``qlinear.GGUF_TYPES``)."""
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -146,6 +147,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo the Q/K row permutation llama.cpp's converter applies for its RoPE layout."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermuted_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
+    """``_unpermute``'s rows as a view of ``raw`` [rows, bytes a row], without a copy: shape
+    [n_head, 2, rows / n_head / 2, bytes a row], rows in C order of the leading axes."""
+    rows = raw.shape[0]
+    return raw.reshape(n_head, rows // n_head // 2, 2, raw.shape[1]).swapaxes(1, 2)
 
 
 def _open_gguf(path: str):
@@ -275,7 +283,7 @@ def _load_gguf(path: str) -> LoadedModel:
         entries[hf] = (t, shape, heads)
         if t.tensor_type.name in GGUF_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0:
             raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)  # a block row per row
-            blocks[hf] = (t.tensor_type.name, np.ascontiguousarray(_unpermute(raw, heads) if heads else raw))
+            blocks[hf] = (t.tensor_type.name, _unpermuted_rows(raw, heads) if heads else raw)
         elif len(shape) == 2:
             unblocked.append((t.tensor_type.name, int(t.n_bytes), shape[0] * shape[1]))
     if unblocked:  # the gguf mode multiplies these as the mixed mode does (fp16 or fp32 weights)

@@ -26,7 +26,7 @@ import torch
 from hotprefix.model.isa import requested_level
 from hotprefix.model.fused import check_attention, kv_kind
 from hotprefix.model.gguf_blocks import (BLOCK, BLOCK_BYTES, GGUF_TYPES, LANES,  # noqa: F401
-                                         block_columns, pack_weight, unpack_weight)
+                                         block_columns, block_rows, pack_weight, unpack_weight)
 
 QUANT_NUMERICS = "a16"
 """The kernel's numerics in the cache namespace (activations as 16-bit integers per 32-block)."""
@@ -37,12 +37,14 @@ class QuantWeight:
 
     __slots__ = ("packed", "formats", "n", "k", "nbytes")
 
-    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int):
-        """``blocks``: (GGUF type, raw bytes [rows, bytes a row]) of tensors stacked along the
+    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int, lib=None):
+        """``blocks``: (GGUF type, raw bytes [..., bytes a row]) of tensors stacked along the
         output dimension (Q/K/V, gate/up); each group of 16 outputs keeps its type's format.
+        ``lib``: the compiled kernels, whose ``qg_pack`` (``qpack.c``) writes the groups on
+        ``torch.get_num_threads()`` threads; None: the numpy reference (the same bytes, slower).
         Raises ``gguf_blocks.PackError`` for a stack the layout cannot hold."""
-        buf, self.formats = pack_weight(blocks, k)
-        self.n, self.k = sum(raw.shape[0] for _, raw in blocks), k
+        buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib))
+        self.n, self.k = sum(block_rows(raw) for _, raw in blocks), k
         self.packed = torch.from_numpy(buf)
         self.nbytes = self.packed.numel()
 
@@ -50,6 +52,15 @@ class QuantWeight:
         """The fp32 [n, k] weight the blocks hold (``D * q + M`` in fp32), read back from the
         packed bytes in numpy: the packing's inverse, an oracle for the C kernels' reading of it."""
         return torch.from_numpy(unpack_weight(self.packed.numpy(), self.n, self.k))
+
+
+def _packer(lib):
+    """``gguf_blocks.pack_weight``'s ``fill`` through ``qpack.c``."""
+    def fill(buf: np.ndarray, groups: int, k: int, addresses: np.ndarray, kinds: np.ndarray) -> None:
+        if lib.qg_pack(buf.ctypes.data, groups, k, addresses.shape[0], addresses.ctypes.data,
+                       kinds.ctypes.data, torch.get_num_threads()):
+            raise ValueError("qg_pack: a group's rows do not fit its format")
+    return fill
 
 
 class BlockRows:
