@@ -35,6 +35,7 @@
 #define AMX_SPAN 256 /* rows whose split activations stay in L2 while a group's tiles are reused */
 #define AMX_TILE 512 /* bytes of one B tile (8 rows of 64) */
 #define AMX_ATILE 1024 /* bytes of one block of 16 rows' activations: high bytes, then low */
+#define AMX_AHEAD 2 /* blocks ahead whose activation tiles are prefetched */
 #define AMX_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -170,6 +171,7 @@ static inline __m512i tile_sum(const int32_t *c, int r) {
 #define EPILOGUE(B, C, C2)                                                                        \
     do {                                                                                          \
         const __m512 d = dv[B], m = mv[B];                                                        \
+        _Pragma("GCC unroll 16") /* the 16 rows' sums stay in registers */                        \
         for (int r = 0; r < AMX_ROWS; r++) {                                                      \
             const __m512 s = _mm512_cvtepi32_ps(tile_sum(C, r));                                  \
             const __m512 t = f == QF_K6                                                           \
@@ -220,6 +222,8 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
                 else
                     STORE(T_C0, T_C1, cb[(i - 1) % 3]);
             }
+            if (i + AMX_AHEAD < nb) /* the activation tiles stream from L2: fetch them ahead */
+                for (int c = 0; c < AMX_ATILE; c += 64) _mm_prefetch((const char *)(at + (i + AMX_AHEAD) * AMX_ATILE + c), _MM_HINT_T0);
             if (i < nb) {
                 if (i & 1)
                     ISSUE(i, T_C2, T_C3);
