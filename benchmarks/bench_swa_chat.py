@@ -459,18 +459,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def kv_bytes_per_token(gguf: str) -> int:
     """Every layer's K and V of one token at 16 bits (hotprefix's bf16 pool = llama.cpp's f16)."""
-    from gguf import GGUFReader
+    from hotprefix.model.metadata import kv_bytes_per_token as model_kv_bytes_per_token
 
-    rd = GGUFReader(gguf)
-    arch = bytes(rd.fields["general.architecture"].parts[-1]).decode()
-
-    def num(key: str) -> int:
-        return int(rd.fields[f"{arch}.{key}"].parts[-1][0])
-
-    heads_kv = num("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in rd.fields else num("attention.head_count")
-    k = num("attention.key_length") if f"{arch}.attention.key_length" in rd.fields else num("embedding_length") // num("attention.head_count")
-    v = num("attention.value_length") if f"{arch}.attention.value_length" in rd.fields else k
-    return num("block_count") * heads_kv * (k + v) * 2
+    return model_kv_bytes_per_token(gguf, "bf16")
 
 
 def merge_earlier(results: dict[str, Any], path: str) -> None:

@@ -115,11 +115,26 @@ def test_kv_dtype_names_sizes_and_refusals():
     assert KV_DTYPES["bf16"].bytes_per_token(30, 3, 64) == 23040  # llama.cpp's f16 figure
     assert KV_DTYPES["int8"].bytes_per_token(30, 3, 64) == 12240  # llama.cpp's q8_0 figure
     assert KV_DTYPES["fp32"].bytes_per_token(30, 3, 64) == 46080
-    from hotprefix.model.metadata import KV_ELEMENT_BYTES, KVShape
+    from hotprefix.model.metadata import KV_ELEMENT_BYTES
 
-    for name, kv in KV_DTYPES.items():  # the torch-free sizes (the simulator's) agree
-        assert KVShape(30, 3, 64).bytes_per_token(name) == kv.bytes_per_token(30, 3, 64)
     assert set(KV_ELEMENT_BYTES) == set(KV_DTYPES)
+
+
+@pytest.mark.parametrize("name", sorted(KV_DTYPES))
+@pytest.mark.parametrize("layers,heads,head_dim", [(30, 3, 64), (2, 1, 8), (26, 1, 256)])
+def test_bytes_per_token_is_what_a_tokens_rows_occupy(name, layers, heads, head_dim):
+    """The one KV-size formula (``KVShape.bytes_per_token``, which the pool and the simulator
+    call) against the bytes of one token's rows as the pool stores them: a K and a V row of
+    ``row(head_dim)`` elements per layer and KV head, int8's scale included."""
+    from hotprefix.model.metadata import KVShape
+
+    kv = KV_DTYPES[name]
+    one_row = torch.empty(kv.row(head_dim), dtype=kv.torch_dtype)
+    expected = 2 * layers * heads * one_row.numel() * one_row.element_size()
+    assert KVShape(layers, heads, head_dim).bytes_per_token(name) == expected
+    assert kv.bytes_per_token(layers, heads, head_dim) == expected
+    if name != "int8":  # bytes per element: the simulator's --dtype-bytes
+        assert KVShape(layers, heads, head_dim).bytes_per_token(one_row.element_size()) == expected
 
 
 # ---------------------------------------------------------------- the C kernels over int8 pools

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hotprefix.config.sections import ConfigError
-from hotprefix.model.metadata import KV_ELEMENT_BYTES
+from hotprefix.model.metadata import KV_ELEMENT_BYTES, KVShape
 
 INT8_SCALE_BYTES = KV_ELEMENT_BYTES["int8"][1]
 """Bytes of an int8 row's scale (float32), after its ``head_dim`` values."""
@@ -55,9 +55,9 @@ class KVDtype:
         return head_dim + self.row_extra
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Pool bytes one token costs, K and V of every layer, scales included."""
-        esize = torch.tensor([], dtype=self.torch_dtype).element_size()
-        return 2 * num_layers * num_kv_heads * self.row(head_dim) * esize
+        """Pool bytes one token costs, K and V of every layer, scales included (the one formula:
+        ``hotprefix.model.metadata.KVShape.bytes_per_token``)."""
+        return KVShape(num_layers, num_kv_heads, head_dim).bytes_per_token(self.name)
 
     @property
     def kind(self) -> int | None:

@@ -83,9 +83,6 @@ class ModelArch:
     final_logit_softcap: float | None = None
     """Logits become ``tanh(x / c) * c`` (None: none)."""
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def fingerprint_json(self) -> str:
         """The architecture as hashed into the fingerprint: every field, but a field added for a
         family (``OPTIONAL``) only where it is set, so the fingerprints of models without it

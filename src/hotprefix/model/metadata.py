@@ -92,7 +92,8 @@ class KVShape:
 
     def bytes_per_token(self, dtype_bytes: int | str) -> int:
         """``2 x layers x kv heads x (head dim x dtype bytes + row extra)``; ``dtype_bytes``: bytes
-        per element, or a ``KV_ELEMENT_BYTES`` name (``int8`` counts its scales)."""
+        per element, or a ``KV_ELEMENT_BYTES`` name (``int8`` counts its scales). The one home of
+        this formula: the pool (``KVDtype.bytes_per_token``) and the simulator both call it."""
         per, extra = KV_ELEMENT_BYTES[dtype_bytes] if isinstance(dtype_bytes, str) else (dtype_bytes, 0)
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * per + extra)
 
