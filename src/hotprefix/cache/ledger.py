@@ -31,8 +31,8 @@ import zlib
 from collections import OrderedDict
 
 from hotprefix.cache.hashing import BlockKey
-from hotprefix.cache.state_dir import (StateDir, append_whole, open_regular, read_state_file,
-                                       write_atomic)
+from hotprefix.cache.state_dir import StateDir, append_whole, open_regular, read_state_file
+from hotprefix.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

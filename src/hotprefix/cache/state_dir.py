@@ -3,7 +3,8 @@
 Opening it checks, before the model loads, that it is a directory this process can write, makes
 it mode 0700, and creates (or reads) the server secret ``secret.key`` (32 random bytes, mode
 0600) that keys every hash written there, so a state file confirms no prompt guess without it.
-Every file in it is written 0600, whole files through a temporary name and a rename.
+Every file in it is written 0600, whole files through a temporary name, an fsync and a rename
+(``hotprefix.files.atomic.write_atomic``).
 
 Imports no torch.
 """
@@ -14,9 +15,9 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 
 from hotprefix.config.sections import ConfigError
+from hotprefix.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -26,25 +27,6 @@ SECRET_BYTES = 32
 
 class StateDirError(ConfigError):
     """The state directory cannot be used; the message names the path and the reason."""
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` (mode 0600): a reader sees the old or the new file, never half."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class NotARegularFile(OSError):

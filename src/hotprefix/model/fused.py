@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from hotprefix.files.atomic import atomic_path
 from hotprefix.files.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
 from hotprefix.model.isa import BY_NAME, ISA_ENV, IsaLevel, best_level, compile_flags, requested_level
@@ -114,18 +115,14 @@ def _build(cc: str, level: IsaLevel) -> Path:
             return out
         try:
             d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-            os.close(fd)
         except OSError:
             continue
-        try:
+        if not os.access(d, os.W_OK):
+            continue
+        with atomic_path(out) as tmp:
             subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, text=True, timeout=300)
-            os.replace(tmp, out)
-            return out
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        return out
     raise OSError("no writable directory for the compiled kernels")
 
 

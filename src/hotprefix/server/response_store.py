@@ -33,7 +33,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hotprefix.cache.state_dir import StateDir, StateDirError, read_state_file, write_atomic
+from hotprefix.cache.state_dir import StateDir, StateDirError, read_state_file
+from hotprefix.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

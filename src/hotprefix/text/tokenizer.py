@@ -26,13 +26,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any, Sequence
 
 import numpy as np
 from transformers.utils import logging as hf_logging
 
 from hotprefix.text import spm_vocab
+from hotprefix.files.atomic import atomic_path
 from hotprefix.files.cachedir import cache_dir
 
 log = logging.getLogger(__name__)
@@ -75,20 +75,13 @@ def _spm_merges(vocab: spm_vocab.SpmVocab, digest: str) -> list[tuple[str, str]]
     merges = spm_vocab.merges(vocab)
     ids = {t: i for i, t in enumerate(vocab.tokens)}
     pairs = np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
-    tmp = None
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=saved.parent, suffix=".npz")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_path(saved) as tmp, open(tmp, "wb") as f:  # whole or not at all
             np.savez(f, pairs=pairs, sha256=np.frombuffer(hashlib.sha256(pairs.tobytes()).digest(),
                                                           dtype=np.uint8))
-        os.replace(tmp, saved)  # whole or not at all
-        tmp = None
     except Exception as e:  # not writable, disk full
         log.info("merges not cached (%s)", e)
-    finally:
-        if tmp is not None:
-            os.unlink(tmp)
     return merges
 
 
@@ -161,18 +154,12 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
             shutil.rmtree(saved, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                         gguf_file=os.path.basename(path))
-    tmp = None
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=saved.parent)
-        tok.save_pretrained(tmp)
-        os.rename(tmp, saved)  # whole or not at all
-        tmp = None
+        with atomic_path(saved, directory=True, replace=False) as tmp:  # whole or not at all
+            tok.save_pretrained(tmp)
     except Exception as e:  # not writable, disk full, or another process saved it first
         log.info("tokenizer not cached (%s)", e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

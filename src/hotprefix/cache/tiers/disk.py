@@ -2,9 +2,10 @@
 
 Files are ``DIR/<2 hex>/<storage key>.blk`` (``<storage key>@<priority>.blk`` when the retention
 priority is not 0, so the priority survives a restart without reading any file). A blob is written
-to a temporary name in the same directory and renamed into place, so a reader sees the old entry,
-the new one or none, never a half-written one; there is no fsync, so a crash may leave a torn file,
-which the checksum then rejects (and the stack deletes). Files are 0600, directories 0700.
+to a temporary name in the same directory, flushed to the disk and renamed into place
+(``hotprefix.files.atomic``: ``write_temp``, then ``commit`` under the tier's lock), so a reader sees
+the old entry, the new one or none, never a half-written one, and a crash leaves no torn entry (a
+damaged file is still rejected by the checksum, and the stack deletes it). Files are 0600, directories 0700.
 
 The index (sizes, priorities, recency) is rebuilt from the directory listing when the tier starts,
 so entries survive restarts; eviction (``max_bytes``) drops the lowest priority first, then the
@@ -36,6 +37,7 @@ from typing import Sequence
 from hotprefix.cache.state_dir import NotARegularFile, open_regular
 from hotprefix.cache.tiers.base import PutItem, Tier, TierError, TierOptions, register
 from hotprefix.cache.tiers.lru import PriorityLRU
+from hotprefix.files.atomic import commit, write_temp
 
 _NAME = re.compile(r"([0-9a-f]{64})(?:@(-?[0-9]+))?\.blk")
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
@@ -197,16 +199,12 @@ class DiskTier(Tier):
                     self.evictions += 1
                 continue
             final = self._path(it.skey, it.priority)
-            tmp = final.with_name(f".{it.skey}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
                 if not final.parent.is_dir():  # first entry of its subdirectory, or DIR removed
                     self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
                     final.parent.mkdir(mode=0o700, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                with open(fd, "wb") as f:
-                    f.write(it.blob)
+                tmp = Path(write_temp(final, it.blob))  # 0600, flushed to the disk
             except OSError as e:
-                _unlink(tmp)
                 raise _error(f"write {final.name}", e) from None
             with self._lock:
                 old = self._order.priority(it.skey)
@@ -221,9 +219,8 @@ class DiskTier(Tier):
                 for k in victims:
                     self._evict(k)
                 try:
-                    os.replace(tmp, final)
+                    commit(str(tmp), final)  # removes tmp where it fails
                 except OSError as e:
-                    _unlink(tmp)
                     if old is not None:
                         self._order.add(it.skey, old_size, old)
                     raise _error(f"rename {final.name}", e) from None
