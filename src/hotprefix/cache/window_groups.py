@@ -226,11 +226,6 @@ class WindowGroups:
         info = AdmitInfo(depth=i, parent=group_key(keys[i - 1], g) if i else None, salt=salt)
         return self.pool.cache_block(b, group_key(keys[i], g), token_ids, info)
 
-    def add_hit_point(self, request_id: str, n: int, kind: str) -> None:
-        st = self._reqs.get(request_id)
-        if st is not None and n > 0:
-            st.hit_points.setdefault(n, kind)
-
     # ------------------------------------------------------------------ release
     def _release(self, st: _WinState, b: KVBlock, i: int, gi: int) -> None:
         window = self.windows[gi]

@@ -91,11 +91,6 @@ class RequestOutput:
         """Tokens generated over every sequence."""
         return sum(len(c.token_ids) for c in self.outputs)
 
-    @property
-    def mean_token_latency_s(self) -> float | None:
-        lat = self.token_latencies_s
-        return sum(lat) / len(lat) if lat else None
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
@@ -437,12 +432,6 @@ class LLMEngine:
                      bytes_cached=g["pages_cached"] * page_bytes)
         s.update(kv_groups=groups, page_bytes=page_bytes, hybrid_kv=lay.hybrid)
         return s
-
-    def load_tokens(self) -> int:
-        """Tokens still to compute for the running and waiting requests (prompt tokens not yet
-        computed, plus one a step for each decoding request): what a router calls the load."""
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return sum(max(1, r.num_tokens - r.num_computed_tokens) for r in reqs)
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """Per KV tier: hits (tokens), misses, bytes, dropped writes, corrupt entries, errors..."""
