@@ -190,9 +190,12 @@ class LlamaCppContender:
     name = "llama.cpp"
     batch1_only = True  # llama-bench decodes one sequence: no batch-16 figure
 
-    def __init__(self, gguf: str, threads: int, decode_depth: int):
+    def __init__(self, gguf: str, threads: int, decode_depth: int, repack: bool = False):
         self.gguf, self.threads, self.decode_depth = gguf, threads, decode_depth
         self.build_info = ""
+        self.repack = repack  # llama.cpp's default weight repacking (AMX / AVX-512 layouts)
+        if repack:
+            self.name = "llama.cpp repack"
 
     @staticmethod
     def locate(build: bool) -> str | None:
@@ -217,8 +220,12 @@ class LlamaCppContender:
         import subprocess
 
         env = {**os.environ, "THREADS": str(self.threads)}
-        r = subprocess.run(["bash", PEER_SCRIPT, "bench", self.gguf, "-r", "1", *args],
-                           capture_output=True, text=True, env=env)
+        cmd = ["bash", PEER_SCRIPT, "bench", self.gguf, "-r", "1", *args]
+        if self.repack:  # the script pins --repack 0: call llama-bench itself with its default
+            bin_dir = subprocess.run(["bash", PEER_SCRIPT, "bin"], capture_output=True, text=True).stdout.strip()
+            cmd = [os.path.join(bin_dir, "llama-bench"), "-m", self.gguf, "-t", str(self.threads),
+                   "--repack", "1", "-o", "json", "-r", "1", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
             raise RuntimeError(f"llama-bench {' '.join(args)} failed (exit {r.returncode}): "
                                f"{r.stderr.strip()[-2000:]}")
@@ -245,6 +252,32 @@ def mode_name(label: str, llm) -> str:
     return f"hotprefix {label} ({dtype}{extra})"
 
 
+def roofline(contenders: list, levels: dict, res: dict, Ls: list[str], threads: int) -> str:
+    """Our prefill's GEMM multiply-adds per second (tokens/s x the decoder matrices'
+    multiply-adds a token: a lower bound on the GEMMs' own rate, as the step's other work is in
+    the time) beside the peak of the instruction each kernel level builds on, measured now."""
+    import isa_peak
+
+    rows = []
+    for c in contenders:
+        if c.name not in levels or getattr(c, "prefill_only", False):
+            continue
+        macs = isa_peak.gemm_macs_per_token(c.llm)
+        kind, peak = isa_peak.int16_peak(levels[c.name], threads)
+        if not macs or peak is None:
+            continue
+        got = [res[c.name]["prefill_tps"][L] * macs for L in Ls]
+        rows.append([c.name, kind, f"{peak / 1e9:.0f}"] + [f"{g / 1e9:.0f} ({g / peak:.0%})" for g in got])
+    if not rows:
+        return ""
+    head = ["contender", "GEMM built on", f"int16 multiply-add peak, {threads} threads (G/s)"] + \
+           [f"prefill {L}: achieved G/s (share of peak)" for L in Ls]
+    return common.md_table(head, rows) + ("\n\n_The peak: a loop of independent instructions on every "
+                                          "thread (benchmarks/isa_peak.c; AMX: half its int8 rate, two "
+                                          "tile products an int16 product). Achieved: prefill tokens/s x "
+                                          "the decoder matrices' multiply-adds a token._")
+
+
 # --------------------------------------------------------------------------- main
 def parse_args():
     ap = common.base_parser(__doc__)
@@ -269,6 +302,12 @@ def parse_args():
                          "'default' alone for another --model)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences of the batch decode (default 16, --quick 4; 0 leaves it out)")
+    ap.add_argument("--isa", default="",
+                    help="comma-separated kernel levels (isa.py: avx2, avxvnni, avx512, amx) at which our "
+                         "default configuration also runs, as contenders of their own in the same run")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="leave out llama.cpp with its default weight repacking (run with --repack 1 "
+                         "beside --repack 0; dropped from the run if it fails on this CPU)")
     common.add_model_argument(ap)
     return ap.parse_args()
 
@@ -309,6 +348,8 @@ def main_checks(checks: list, rt: dict | None, main_r: dict, batch: int, quick_n
 
 
 def main() -> None:
+    from hotprefix.model import fused, isa
+
     args = parse_args()
     load_at_start = os.getloadavg()
     common.setup_threads(args.threads)
@@ -340,15 +381,38 @@ def main() -> None:
         contenders.append(HotprefixContender(mode_name(m["label"], llm), llm,
                                              prefill_only=m.get("prefill_only", False)))
     ours = contenders[0].name  # the default configuration: the targets are about it
+    levels = {ours: fused.library().isa}
+    for level in [x for x in args.isa.split(",") if x and x != levels[ours]]:
+        saved = os.environ.get(isa.ISA_ENV)
+        os.environ[isa.ISA_ENV] = level  # the kernels are chosen when a model is built
+        try:
+            llm = common.load_hotprefix(args.threads, model=args.model, enable_prefix_caching=False,
+                                        max_num_batched_tokens=max_batched, **hotprefix_modes(args)[0]["options"])
+        finally:
+            if saved is None:
+                os.environ.pop(isa.ISA_ENV)
+            else:
+                os.environ[isa.ISA_ENV] = saved
+        name = f"{mode_name('default', llm)} [{level}]"
+        levels[name] = level
+        contenders.append(HotprefixContender(name, llm))
     if not args.no_transformers:
         contenders.append(TransformersContender(common.load_transformers(args.model)))
-    peer = None
+    peer, repack_failed = None, ""
     if peer_bin is not None and os.path.isdir(model_path):
         log("llama.cpp: left out, it runs GGUF files and the model is a directory")
     elif peer_bin is not None:
         peer = LlamaCppContender(model_path, args.threads, b1_context)
         contenders.append(peer)
         log(f"  llama.cpp: {peer_bin}")
+        if not args.no_repack:
+            try:
+                repacked = LlamaCppContender(model_path, args.threads, b1_context, repack=True)
+                repacked.prefill_tps(list(range(64)))  # a trial run: it crashed on AMX machines
+                contenders.append(repacked)
+            except RuntimeError as e:
+                repack_failed = str(e).splitlines()[0][:160]
+                log(f"  llama.cpp repack: left out ({repack_failed})")
     tok = contenders[0].llm.tokenizer
 
     # one warm-up per contender (allocator, kernels, lazy init); llama-bench warms up every run
@@ -421,6 +485,10 @@ def main() -> None:
     vs_peer: dict[str, dict] = {}
     if peer is not None:
         pr = res[peer.name]
+        if "llama.cpp repack" in res:  # llama.cpp at its best of repacking on and off
+            rp = res["llama.cpp repack"]
+            pr = {"prefill_tps": {L: max(v, rp["prefill_tps"][L]) for L, v in pr["prefill_tps"].items()},
+                  "decode_b1_ms_per_token": min(pr["decode_b1_ms_per_token"], rp["decode_b1_ms_per_token"])}
         for n in names:
             if not n.startswith("hotprefix"):
                 continue
@@ -461,12 +529,15 @@ def main() -> None:
             rrows.append([n] + [f"{rt['prefill_vs_transformers'][L]:.2f}x" for L in Ls] + dec)
         lines += [common.md_table(rheader, rrows), ""]
     if vs_peer:
-        pheader = ["ratio vs llama.cpp (same run)"] + [f"prefill {L} (tok/s, ours/llama.cpp)" for L in Ls] + \
+        pheader = ["ratio vs llama.cpp (same run" + (", its best of repack on and off)" if "llama.cpp repack" in res else ")")] + [f"prefill {L} (tok/s, ours/llama.cpp)" for L in Ls] + \
                   ["decode b1 (ms/token, ours/llama.cpp)"]
         prows = [[n] + [f"{rt['prefill_vs_llamacpp'][L]:.2f}x" for L in Ls]
                  + [f"{rt['decode_b1_ms_vs_llamacpp']:.2f}x" if "decode_b1_ms_vs_llamacpp" in rt else "-"]
                  for n, rt in vs_peer.items()]
         lines += [common.md_table(pheader, prows), ""]
+    roof = roofline(contenders, levels, res, Ls, args.threads)
+    if roof:
+        lines += [roof, ""]
     # targets: our default configuration
     checks: list = []
     quick_note = f" (batch {batch})" if batch != 16 else ""
@@ -499,9 +570,13 @@ def main() -> None:
         checks.append([f"decode batch {batch} over batch 1 (ours, tok/s)", "-", f"{scaling:.2f}x", "-"])
     lines += [common.md_table([f"target ({ours})", "target", "measured", "result"], checks), ""]
     mode = "quick run, noisy" if args.quick or args.lengths else "full run"
+    if repack_failed:
+        peer_note_repack = f" llama-bench with its default repacking (--repack 1) failed on this CPU and is left out: {repack_failed}."
+    else:
+        peer_note_repack = " 'llama.cpp repack': llama-bench --repack 1 (its default)." if "llama.cpp repack" in res else ""
     peer_note = (f" llama.cpp: {peer.build_info}, llama-bench -t {args.threads} --repack 0, one "
                  f"process per measurement; its decode is {n_out} tokens after a {b1_context}-token "
-                 f"context (-d {b1_context})." if peer is not None else "")
+                 f"context (-d {b1_context}).{peer_note_repack}" if peer is not None else "")
     lines.append(f"_Model: {os.path.basename(model_path)}. CPU: {common.cpu_description()}. "
                  f"Load average at the start: {' '.join(f'{x:.2f}' for x in load_at_start)}._")
     lines.append(f"_{mode}: {args.threads} torch threads, median of {repeats} interleaved "

@@ -206,7 +206,7 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-             "amx_tile", "amx_bf16")
+             "amx_tile", "amx_bf16", "amx_int8")
 """The CPU flags that decide the kernels' level and the dtype probe: printed with every figure."""
 
 

@@ -80,6 +80,7 @@ static void amx_config(void) {
         c.rows[t] = AMX_ROWS;
         c.colsb[t] = 4 * QG_LANES; /* 16 int32 sums a row */
     }
+    __asm__ volatile("" ::"r"(&c) : "memory"); /* the configuration's stores happen first */
     _tile_loadconfig(&c);
 }
 
