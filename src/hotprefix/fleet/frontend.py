@@ -44,10 +44,9 @@ from hotprefix.fleet.hints import PromptKeys, RouteHint
 from hotprefix.fleet.merge import merge_metrics, merge_stats
 from hotprefix.fleet.replica import REPLICA_HEADER
 from hotprefix.fleet.live import routers
-from hotprefix.server.errors import too_large_body
+from hotprefix.server.errors import shaped_body, too_large_body
 from hotprefix.server.fleet_seq import FLEET_SEQ_HEADER
 from hotprefix.server.limits import BodyLimit
-from hotprefix.server.protocol import error_body
 from hotprefix.server.tenants import TenantRegistry
 from hotprefix.text.tokenizer import Tokenizer
 
@@ -79,8 +78,10 @@ def _not_all_ok(replies: dict[str, "Reply"]) -> Response | None:
     return None if bad is None else bad.response()
 
 
-def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> Response:
-    return JSONResponse(error_body(message, type, None, code), status_code=status)
+def _error(status: int, message: str, code: str | None = None, path: str = "") -> Response:
+    """The fleet's own refusal, in the shape of the API at ``path`` (``errors.shaped_body``:
+    Anthropic's under ``/v1/messages``, else OpenAI's)."""
+    return JSONResponse(shaped_body(path, status, message, code), status_code=status)
 
 
 class Reply:
@@ -285,8 +286,8 @@ class Frontend:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                return _error(413, f"The request body is larger than {limit} bytes.",
-                              "invalid_request_error", "request_too_large")
+                return JSONResponse(too_large_body(request.url.path, f"The request body is larger "
+                                                                     f"than {limit} bytes."), status_code=413)
         headers = list(request.headers.items())
         hint = RouteHint()
         if request.method == "POST":
@@ -306,10 +307,10 @@ class Frontend:
                                      headers, body, hint)
         except RETRYABLE:
             return _error(503, "no replica could serve the request (replicas died); try again",
-                          code="replica_unavailable")
+                          "replica_unavailable", request.url.path)
         except BackPressureError:
-            return _error(503, "every replica's queue is full; try again", code="overloaded")
+            return _error(503, "every replica's queue is full; try again", "overloaded", request.url.path)
         except Exception as e:  # a replica failed outside the app's own error handling
             log.exception("forwarding %s %s failed", request.method, request.url.path)
-            return _error(502, f"the replica failed: {type(e).__name__}", code="replica_error")
+            return _error(502, f"the replica failed: {type(e).__name__}", "replica_error", request.url.path)
         return reply.response()

@@ -100,11 +100,12 @@ def engine_error(out: RequestOutput) -> APIError:
 
 
 def shaped_body(path: str, status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    """An error raised before a route runs (no such route or method, a body over the limit) in
-    the shape of the API at ``path``: Anthropic's under ``/v1/messages``, else OpenAI's."""
+    """An error raised before a route runs (no such route or method, a body over the limit), or by
+    the fleet's front end, in the shape of the API at ``path``: Anthropic's under ``/v1/messages``,
+    else OpenAI's (the one builder of each: ``anthropic_protocol.error_body``, ``protocol.error_body``)."""
     if A.is_messages_path(path):
         return A.error_body(status, message)
-    return error_body(message, code=code)
+    return error_body(message, "server_error" if status >= 500 else "invalid_request_error", code=code)
 
 
 def too_large_body(path: str, message: str) -> dict[str, Any]:

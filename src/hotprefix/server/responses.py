@@ -234,7 +234,7 @@ async def _background(state: ServerState, stream: Any, constraint: C.Constraint,
         return
     if final.finish_reason == "error":
         rec.response = {**rec.response, "status": "failed",
-                        "error": {"code": "server_error", "message": final.error or "engine error"}}
+                        "error": R.error_object(final.error or "engine error")}
         await asyncio.to_thread(state.responses.put, rec)
         return
     await done(final, S.whole(constraint, final.text))

@@ -238,3 +238,14 @@ def canonical_tools(tools: list[dict[str, Any]] | None) -> str:
     """The tools as one canonical text (a continuation keeps the stored tokens only when the tools
     are the same)."""
     return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
+
+
+def error_object(message: str, code: str = "server_error") -> dict[str, Any]:
+    """The Responses API's ``error`` of a failed response (``{"code", "message"}``); its ``error``
+    stream event is this with ``"param": None`` (``error_event``)."""
+    return {"code": code, "message": message}
+
+
+def error_event(message: str, code: str = "server_error") -> dict[str, Any]:
+    """The fields of the Responses API's ``error`` stream event."""
+    return {**error_object(message, code), "param": None}

@@ -131,10 +131,9 @@ def stream_events(stream: RequestStream, constraint: C.Constraint, started: dict
             async for out in stream:
                 if out.finish_reason == "error":
                     err = engine_error(out)
-                    yield event("error", {"code": "server_error", "message": err.message, "param": None})
+                    yield event("error", R.error_event(err.message))
                     yield event("response.failed", {"response": {
-                        **started, "status": "failed",
-                        "error": {"code": "server_error", "message": err.message}}})
+                        **started, "status": "failed", "error": R.error_object(err.message)}})
                     return
                 for kind, fields in answer.feed(out.new_text, out.finished):
                     yield event(kind, fields)
@@ -144,8 +143,7 @@ def stream_events(stream: RequestStream, constraint: C.Constraint, started: dict
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield event(kind, {"response": final})
             if not finished:
-                yield event("error", {"code": "server_error", "message": "the request ended without an answer",
-                                      "param": None})
+                yield event("error", R.error_event("the request ended without an answer"))
         finally:
             if not stream.finished:
                 stream.abort_nowait()
