@@ -107,9 +107,9 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source,
                                                      chat_template=config.model.chat_template)
-        self.model_fingerprint = loaded.fingerprint
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
         self.runner = ModelRunner(loaded, config.model, config.cache)
+        self.model_fingerprint = loaded.fingerprint  # a GGUF's is hashed while the runner packs
         del loaded
         cc = config.cache
         self.block_size = cc.block_size

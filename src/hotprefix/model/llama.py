@@ -225,10 +225,13 @@ class LlamaModel:
         l0 = self.layers[0]
         probes = [("qkv", l0["qkv"], arch.hidden_size), ("down", l0["down"], arch.intermediate_size),
                   ("head", self.lm_head, arch.hidden_size)]
-        # rows are padded to the larger of the two GEMM kinds' floors (a kind no GEMM uses has none)
+        # rows are padded to the larger of the two GEMM kinds' floors (a kind no GEMM uses has none);
+        # the block kernel is row-invariant by construction (exact integer sums, one float order:
+        # tested), so its weights need no probe
         self.min_rows = 1
         for kind, lin, dt_ in ((False, self.linear, dtype), (True, self.linear32, torch.float32)):
-            mats = [(w, k) for op, w, k in probes if (op in self.fp32_ops) == kind]
+            mats = [(w, k) for op, w, k in probes
+                    if (op in self.fp32_ops) == kind and not isinstance(w, QuantWeight)]
             if mats:
                 self.min_rows = max(self.min_rows, invariant_min_rows(
                     lin, [w for w, _ in mats], [k for _, k in mats], device, dt_))

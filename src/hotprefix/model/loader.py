@@ -1,6 +1,7 @@
 """Model loading: a GGUF file or a local Hugging Face directory -> architecture + fp weights.
 
-GGUF tensors are dequantized with the ``gguf`` package, each when read. Weights are returned under
+A GGUF's header is read by ``gguf_file.py``; its tensors are dequantized with the ``gguf`` package,
+each when read. Weights are returned under
 Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` ...) in Hugging Face layout, so the
 model code has one layout to know. The model fingerprint (a hash of the weight bytes and the
 architecture) is part of the prefix cache's namespace: a new checkpoint never reuses an old
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from hotprefix.model.arch import SUPPORTED_ARCHS, family
+from hotprefix.model.gguf_file import GgufFile
 from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
                                       resolve_model_path)
 from hotprefix.model.qlinear import BLOCK, GGUF_TYPES
@@ -102,7 +105,9 @@ class LoadedModel:
     arch: ModelArch
     weights: Mapping[str, torch.Tensor]
     """HF name -> fp32 tensor (a GGUF's are dequantized when read: ``GgufWeights``)."""
-    fingerprint: str
+    fingerprint_digest: str | Future
+    """The fingerprint, or (a GGUF) its hash still being computed on a thread while the weights
+    are packed: read ``fingerprint``."""
     path: str
     tokenizer_source: str
     name: str
@@ -111,6 +116,12 @@ class LoadedModel:
     row]): views of the file's memory map, rows in C order of the leading axes, Q/K rows in the
     same order as ``weights``): the ``gguf`` weight mode multiplies with them
     (``qlinear.GGUF_TYPES``)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the weight files' bytes and the architecture (the cache namespace's root)."""
+        fp = self.fingerprint_digest
+        return fp.result() if isinstance(fp, Future) else fp
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -153,22 +164,6 @@ def _unpermuted_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
     return raw.reshape(n_head, rows // n_head // 2, 2, raw.shape[1]).swapaxes(1, 2)
 
 
-def _open_gguf(path: str):
-    """A ``gguf.GGUFReader`` whose metadata parse slices a plain ndarray view of the file's memory
-    map rather than the ``np.memmap`` itself: it slices it once or twice per token and merge of
-    the vocabulary (about 10^6 times for a 49k vocabulary), and a memmap slice costs several times
-    an ndarray's (2.3 s against 0.75 s for the default model). The same bytes, the same mapping."""
-    import gguf
-
-    class Reader(gguf.GGUFReader):
-        def _get(self, *args, **kwargs):
-            if type(self.data) is np.memmap:
-                self.data = self.data.view(np.ndarray)
-            return super()._get(*args, **kwargs)
-
-    return Reader(path)
-
-
 class GgufWeights(Mapping):
     """A GGUF's tensors by Hugging Face name, dequantized to fp32 (Q/K rows un-permuted) each time
     one is read: the model reads each once and keeps what it packs, and the ``gguf`` weight mode
@@ -203,18 +198,12 @@ def _load_gguf(path: str) -> LoadedModel:
     except ImportError as e:  # pragma: no cover - dependency
         raise ModelLoadError("the gguf package is needed to load .gguf files") from e
     try:
-        reader = _open_gguf(path)
-    except Exception as e:
+        reader = GgufFile(path)
+    except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
 
     def field(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except Exception:
-            return default
+        return reader.fields.get(key, default)
 
     arch_name = field("general.architecture")
     fam = family(arch_name)
@@ -228,7 +217,7 @@ def _load_gguf(path: str) -> LoadedModel:
     names = {t.name for t in reader.tensors}
     vocab = field(f"{a}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"])
     head_dim = int(field(f"{a}.attention.key_length", hidden // n_heads))
     scaling = field(f"{a}.rope.scaling.type")
     if scaling not in (None, "none") and scaling not in fam.rope_scalings:
@@ -290,7 +279,10 @@ def _load_gguf(path: str) -> LoadedModel:
                     sum(b for _, b, _ in unblocked) / 2**20, sum(4 * n for _, _, n in unblocked) / 2**20)
     weights = GgufWeights(entries)
     _check_weights(arch, weights, path)
-    fp = _file_digest([path], arch.fingerprint_json())
+    # hashed on a thread (hashlib releases the GIL) while the caller packs the weights
+    pool = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+    fp = pool.submit(_file_digest, [path], arch.fingerprint_json())
+    pool.shutdown(wait=False)
     name = str(field("general.name") or os.path.basename(path))
     return LoadedModel(arch, weights, fp, path, path, name, blocks)
 
