@@ -52,6 +52,7 @@
 #define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
 #define QG_AMX_MIN_ROWS 16 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can */
+#define QG_AMX_TAIL 8      /* most rows past the last whole 16 that the vector path takes instead */
 
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
  * amax ignores NaN (fmaxf), a NaN value clamps to -QMAX, an infinite amax gives zeros and scale inf.
@@ -544,8 +545,15 @@ int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t ro
               int threads) {
     const int64_t nb = k / QG_BLOCK;
     if (rows <= 0) return 0;
-    if (rows >= QG_AMX_MIN_ROWS && qg_amx_ready()) /* the same bits on AMX tiles */
-        return qg_linear_amx(w, n, k, x, rows, y, threads);
+    if (rows >= QG_AMX_MIN_ROWS && qg_amx_ready()) { /* the same bits on AMX tiles */
+        /* a last partial tile of a few rows: those rows here, not as a padded tile */
+        const int64_t tiled = rows % 16 && rows % 16 <= QG_AMX_TAIL ? rows / 16 * 16 : rows;
+        if (qg_linear_amx(w, n, k, x, tiled, y, threads)) return -1;
+        if (tiled == rows) return 0;
+        x += tiled * k;
+        y += tiled * n;
+        rows -= tiled;
+    }
     int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
