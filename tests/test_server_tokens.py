@@ -58,6 +58,17 @@ def test_counts_equal_prompt_tokens_and_round_trip(srv):
     assert no_gen < call(srv, "/tokenize", {"messages": msgs}).json()["count"]
 
 
+def test_messages_with_the_tokenizers_specials(srv):
+    """vLLM's ``add_special_tokens`` on chat messages: the tokenizer's own specials around the
+    rendered template (the fuzzer found a tokenizer class without build_inputs_with_special_tokens)."""
+    msgs = [{"role": "user", "content": "hello"}]
+    plain = call(srv, "/tokenize", {"messages": msgs}).json()["tokens"]
+    r = call(srv, "/tokenize", {"messages": msgs, "add_special_tokens": True})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == srv.state.tokenizer.add_specials(plain)
+    assert plain[0] in r.json()["tokens"] and len(r.json()["tokens"]) >= len(plain)
+
+
 def test_llama_server_field_names(srv):
     t = call(srv, "/tokenize", {"content": "hello world", "with_pieces": True}).json()
     assert [p["piece"] for p in t["tokens"]] == ["hello", " world"]

@@ -92,7 +92,7 @@ async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(tenant_dep),
         ids, _ = await chat_prompt_and_ends(state, body.messages, functions=functions, ends=False,
                                             add_generation_prompt=body.add_generation_prompt)
         if special:  # vLLM: the tokenizer's specials around the rendered template
-            ids = state.tokenizer.hf.build_inputs_with_special_tokens(ids)
+            ids = state.tokenizer.add_specials(ids)
     elif special is False:
         ids = await state.encode(state.tokenizer.encode, prompt, False) if prompt else []
     else:

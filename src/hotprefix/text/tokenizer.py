@@ -259,6 +259,18 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def add_specials(self, token_ids: Sequence[int]) -> list[int]:
+        """``token_ids`` inside the special tokens this tokenizer's ``encode`` puts around a text
+        (a BOS, for most): the tokenizer's own ``build_inputs_with_special_tokens`` where it has
+        one, else what it adds around an empty text."""
+        build = getattr(self._tok, "build_inputs_with_special_tokens", None)
+        if build is not None:
+            return list(build(list(token_ids)))
+        empty = self.encode("", add_special_tokens=True)
+        pre = empty[:1] if empty[:1] == [self._tok.bos_token_id] else []
+        post = [t for t in empty[len(pre):] if t == self._tok.eos_token_id]
+        return pre + list(token_ids) + post
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
                continuation: bool = False) -> str:
         """The text of ``token_ids``.
