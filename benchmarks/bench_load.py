@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +50,14 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far: less sensitive than wall
+    time to other work on the machine."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def get(url: str, body: dict | None = None, timeout: float = 2.0) -> int:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"} if data else {})
@@ -56,6 +65,9 @@ def get(url: str, body: dict | None = None, timeout: float = 2.0) -> int:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
             return r.status
+    except urllib.error.HTTPError as e:
+        log(f"{url}: {e.code} {e.read()[:300]!r}")
+        return e.code
     except OSError:
         return 0
 
@@ -73,13 +85,16 @@ def measure(cmd: list[str], port: int, deadline_s: float) -> dict:
                 raise RuntimeError(f"{cmd[0]} not ready in {deadline_s} s")
             time.sleep(0.02)
         ready = time.perf_counter() - t0
-        rss_ready = peak_rss_mib(proc.pid)
-        status = get(base + "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                                 "temperature": 0}, timeout=deadline_s)
+        rss_ready, cpu_ready = peak_rss_mib(proc.pid), cpu_seconds(proc.pid)
+        with urllib.request.urlopen(base + "/v1/models", timeout=deadline_s) as r:
+            model = json.load(r)["data"][0]["id"]
+        status = get(base + "/v1/completions", {"model": model, "prompt": "The capital of France is",
+                                                 "max_tokens": 8, "temperature": 0}, timeout=deadline_s)
         if status != 200:
             raise RuntimeError(f"{cmd[0]}: completion answered {status}")
         first = time.perf_counter() - t0
-        return {"ready_s": ready, "first_completion_s": first, "peak_rss_ready_mib": rss_ready,
+        return {"ready_s": ready, "cpu_to_ready_s": cpu_ready, "first_completion_s": first,
+                "peak_rss_ready_mib": rss_ready,
                 "peak_rss_first_mib": peak_rss_mib(proc.pid)}
     finally:
         proc.terminate()
@@ -129,17 +144,18 @@ def main() -> int:
             port = free_port()
             r = measure(cmd(port), port, args.deadline)
             runs[name].append(r)
-            log(f"run {i + 1} {name}: ready {r['ready_s']:.2f} s, first completion "
+            log(f"run {i + 1} {name}: ready {r['ready_s']:.2f} s ({r['cpu_to_ready_s']:.1f} CPU s), first completion "
                 f"{r['first_completion_s']:.2f} s, peak RSS {r['peak_rss_ready_mib']:.0f} / "
                 f"{r['peak_rss_first_mib']:.0f} MiB")
-    keys = ("ready_s", "first_completion_s", "peak_rss_ready_mib", "peak_rss_first_mib")
+    keys = ("ready_s", "cpu_to_ready_s", "first_completion_s", "peak_rss_ready_mib",
+            "peak_rss_first_mib")
     summary = {name: {k: median([r[k] for r in rs]) for k in keys} for name, rs in runs.items()}
     rows = [[name, *(s[k] for k in keys), f"{min(r['ready_s'] for r in runs[name]):.2f}-"
              f"{max(r['ready_s'] for r in runs[name]):.2f}"] for name, s in summary.items()]
     cpu = common.cpu_description()
     print(f"\n{os.path.basename(args.model)} ({os.path.getsize(args.model) / 2**20:.0f} MiB), "
           f"{args.threads} threads, K/V {int(kv_mem) / 2**30:.2f} GiB, median of {args.runs}; CPU: {cpu}")
-    print(md_table(["server", "ready (s)", "first completion (s)", "peak RSS at ready (MiB)",
+    print(md_table(["server", "ready (s)", "CPU s to ready", "first completion (s)", "peak RSS at ready (MiB)",
                     "peak RSS after first completion (MiB)", "ready range (s)"], rows))
     if "llama-server" in summary:
         ours, theirs = summary["hotprefix"], summary["llama-server"]
