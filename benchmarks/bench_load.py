@@ -4,7 +4,7 @@ For each server, ``--runs`` times, alternating (ours, theirs, ours, ...): start 
 until ``GET /health`` answers 200 ("ready") and until a first completion of 8 tokens returns
 ("first completion"), and read its peak resident memory (``VmHWM`` from ``/proc/PID/status``) at
 both points; then stop it. The file is read once before the runs, so both start from a warm page
-cache. Prints a table with the CPU and writes ``results/load_<file stem>.json``.
+cache. Prints a table with the CPU and writes ``results/load_<folder>_<file stem>.json``.
 
   python benchmarks/bench_load.py --model FILE.gguf [--runs 3] [--threads 2] [--kv-cache-memory 1GiB]
 
@@ -162,7 +162,8 @@ def main() -> int:
         print(f"ratios hotprefix / llama-server: ready {ours['ready_s'] / theirs['ready_s']:.2f}x, "
               f"peak RSS {ours['peak_rss_first_mib'] / theirs['peak_rss_first_mib']:.2f}x")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                       f"load_{os.path.splitext(os.path.basename(args.model))[0]}.json")
+                       f"load_{os.path.basename(os.path.dirname(os.path.abspath(args.model)))}_"
+                       f"{os.path.splitext(os.path.basename(args.model))[0]}.json")
     common.write_json(out, {"model": os.path.basename(args.model), "kv_cache_memory": int(kv_mem),
                             "context": ctx, "env": common.environment(args.threads, False),
                             "runs": runs, "median": summary})
