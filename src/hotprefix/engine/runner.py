@@ -108,9 +108,8 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where transparent huge pages are on
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # 4 KiB pages, as
+    # torch.zeros had: a first write faults one page in, never a huge page's compaction mid-request
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps buf alive
 
 

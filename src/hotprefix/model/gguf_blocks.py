@@ -272,7 +272,10 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int,
     if fill is None:
         buf = np.concatenate([head.view(np.uint8), *pack_groups_reference(parts, k, fmts)])
     else:
-        buf = _fresh_bytes(8 * groups + int(sizes_g.sum()))
+        # np.empty: numpy asks for transparent huge pages for large arrays. Faulting them in costs
+        # the load 0.2-1.3 s of system time here (the kernel compacting memory), 4 KiB pages about
+        # 0.25 s, but the GEMMs then stream through 4 KiB pages: decode took ~9% more CPU time
+        buf = np.empty(8 * groups + int(sizes_g.sum()), np.uint8)
         buf[:8 * groups] = head.view(np.uint8)
         if any(raw.strides[-1] != 1 for _, raw in parts):
             parts = [(kind, np.ascontiguousarray(raw)) for kind, raw in parts]
@@ -280,7 +283,6 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int,
         kinds = np.concatenate([np.full(block_rows(raw), PACK_KINDS.index(kind), np.int64)
                                 for kind, raw in parts])
         fill(buf, groups, k, addresses, kinds)
-        _hugepages_later(buf)
     for _, raw in parts:
         release_pages(raw)
     return buf, tuple(fmts)
@@ -307,23 +309,6 @@ def pack_groups_reference(parts: list[tuple[str, np.ndarray]], k: int,
         fields = tuple(np.concatenate(col) for col in zip(*pieces))
         chunks.append(_pack_run(fmts[g0], fields, g1 - g0).reshape(-1))
     return chunks
-
-
-def _fresh_bytes(nbytes: int) -> np.ndarray:
-    """``nbytes`` of private anonymous memory, page-aligned, for a packed buffer. Not ``np.empty``:
-    numpy asks for transparent huge pages for large arrays, and faulting those in (the kernel
-    compacting memory for each 2 MiB page) cost a 1B model's load about 0.8 s of system time
-    against 0.25 s for 4 KiB pages (measured on a 2-core Xeon VM, THP "madvise"). The pages are
-    marked for huge pages once written, so the kernel's background collapse may still merge them."""
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mm, np.uint8, nbytes)
-
-
-def _hugepages_later(buf: np.ndarray) -> None:
-    """Mark a ``_fresh_bytes`` buffer for transparent huge pages (collapsed in the background)."""
-    mm = buf.base
-    if isinstance(mm, mmap.mmap) and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
 
 
 _MADV_DONTNEED = 4
