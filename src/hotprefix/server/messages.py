@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, cast
+from typing import Any, Callable, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +33,8 @@ from hotprefix.server import constraints as C
 from hotprefix.server import tools as T
 from hotprefix.server.anthropic_protocol import encode_prompt
 from hotprefix.server.deps import get_state, tenant_dep
-from hotprefix.server.errors import describe_validation, engine_error
+from hotprefix.server.errors import describe_validation
+from hotprefix.server.event_stream import NO_ANSWER, EventAdapter, Pieces, named_event, respond
 from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, check_fits,
                                        check_model, final_output, finish, submit)
 from hotprefix.server.message_ends import NO_ENDS, message_ends
@@ -193,7 +194,77 @@ async def messages(body: A.MessagesRequest, request: Request,
 
 
 def event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
+    return named_event(kind, {"type": kind, **data})
+
+
+class MessageEvents(EventAdapter):
+    """Anthropic's events for one message (``stream_messages``): content blocks numbered in order,
+    at most one text block open at a time, each tool call a ``tool_use`` block of its own."""
+
+    def __init__(self, state: ServerState, body: A.MessagesRequest, rid: str, tenant: Tenant,
+                 constraint: C.Constraint | None):
+        self._state, self._body, self._rid, self._tenant = state, body, rid, tenant
+        self._pieces = Pieces(constraint)
+        self._next = 0  # the next block's index
+        self._text: int | None = None  # the open text block's index
+        self._num_tools = 0  # tool_use blocks sent
+
+    def started(self, out: RequestOutput) -> list[str]:
+        start = event("message_start", {"message": message_json(
+            self._state, self._rid, [], None, None, usage(self._state, out))})
+        return [start] + ([] if self._pieces.with_tools else self._text_events(""))
+
+    def step(self, out: RequestOutput) -> list[str]:
+        events = []
+        for kind, v in self._pieces.feed(out.new_text, out.finished):
+            events += self._text_events(v) if kind == "content" else self._call_events(v)
+        return events
+
+    async def finish(self, out: RequestOutput) -> list[str]:
+        state = self._state
+        rep = finish(state, out, ROUTE, self._tenant)
+        stop = await matched_stop(state, self._body, out)
+        events = self._close_text()
+        reason = A.stop_reason(out.finish_reason, stop)
+        if reason == "end_turn" and self._num_tools:
+            reason = "tool_use"
+        delta = {"stop_reason": reason, "stop_sequence": stop}
+        return events + [event("message_delta", {"delta": delta, "usage": usage(state, out),
+                                                 "hotprefix": {"cache": rep}}),
+                         event("message_stop", {})]
+
+    def failed(self, err: APIError) -> list[str]:
+        return [event("error", A.error_body(500, err.message))]
+
+    def ended(self, finished: bool) -> list[str]:
+        return [] if finished else [event("error", A.error_body(500, NO_ANSWER))]
+
+    def _text_events(self, text: str) -> list[str]:
+        out = []
+        if self._text is None:
+            self._text, self._next = self._next, self._next + 1
+            out.append(event("content_block_start", {"index": self._text,
+                                                     "content_block": {"type": "text", "text": ""}}))
+        if text:
+            out.append(event("content_block_delta", {"index": self._text,
+                                                     "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def _close_text(self) -> list[str]:
+        if self._text is None:
+            return []
+        i, self._text = self._text, None
+        return [event("content_block_stop", {"index": i})]
+
+    def _call_events(self, call: dict[str, Any]) -> list[str]:
+        block = AT.tool_use_block(call)
+        i, self._next = self._next, self._next + 1
+        self._num_tools += 1
+        return self._close_text() + [
+            event("content_block_start", {"index": i, "content_block": {**block, "input": {}}}),
+            event("content_block_delta", {"index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
+            event("content_block_stop", {"index": i})]
 
 
 def stream_messages(state: ServerState, body: A.MessagesRequest, stream: RequestStream, rid: str,
@@ -203,81 +274,4 @@ def stream_messages(state: ServerState, body: A.MessagesRequest, stream: Request
     (stop reason, final usage, the cache report), ``message_stop``; ``error`` if the engine fails.
     With tools, text that may open a call is held back until it is known (``tools.CallStream``);
     each call is a ``tool_use`` block with one ``input_json_delta``."""
-    calls = None
-    if constraint is not None and constraint.tool_mode != "none" and constraint.functions:
-        calls = constraint.format.stream(constraint.functions, constraint.parallel)
-    blocks = {"next": 0, "text": None, "tools": 0}  # next index, the open text block's, tool_use count
-
-    def text_events(text: str) -> list[str]:
-        out = []
-        if blocks["text"] is None:
-            blocks["text"], blocks["next"] = blocks["next"], blocks["next"] + 1
-            out.append(event("content_block_start", {"index": blocks["text"],
-                                                     "content_block": {"type": "text", "text": ""}}))
-        if text:
-            out.append(event("content_block_delta", {"index": blocks["text"],
-                                                     "delta": {"type": "text_delta", "text": text}}))
-        return out
-
-    def close_text() -> list[str]:
-        if blocks["text"] is None:
-            return []
-        i, blocks["text"] = blocks["text"], None
-        return [event("content_block_stop", {"index": i})]
-
-    def call_events(call: dict[str, Any]) -> list[str]:
-        block = AT.tool_use_block(call)
-        i, blocks["next"] = blocks["next"], blocks["next"] + 1
-        blocks["tools"] += 1
-        return close_text() + [
-            event("content_block_start", {"index": i, "content_block": {**block, "input": {}}}),
-            event("content_block_delta", {"index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
-            event("content_block_stop", {"index": i})]
-
-    def new_text(text: str, last: bool) -> list[str]:
-        if calls is None:
-            return text_events(text) if text else []
-        out = []
-        for kind, v in calls.feed(text) + (calls.end() if last else []):
-            out += text_events(v) if kind == "content" else call_events(v)
-        return out
-
-    async def events() -> AsyncIterator[str]:
-        started = done = False
-        try:
-            async for out in stream:
-                if out.finish_reason == "error":
-                    yield event("error", A.error_body(500, engine_error(out).message))
-                    return
-                if not started:
-                    started = True
-                    yield event("message_start", {"message": message_json(
-                        state, rid, [], None, None, usage(state, out))})
-                    if calls is None:
-                        for e in text_events(""):
-                            yield e
-                for e in new_text(out.new_text, out.finished):
-                    yield e
-                if not out.finished:
-                    continue
-                done = True
-                rep = finish(state, out, ROUTE, tenant)
-                stop = await matched_stop(state, body, out)
-                for e in close_text():
-                    yield e
-                reason = A.stop_reason(out.finish_reason, stop)
-                if reason == "end_turn" and blocks["tools"]:
-                    reason = "tool_use"
-                delta = {"stop_reason": reason, "stop_sequence": stop}
-                yield event("message_delta", {"delta": delta, "usage": usage(state, out),
-                                              "hotprefix": {"cache": rep}})
-                yield event("message_stop", {})
-            if not done:
-                yield event("error", A.error_body(500, "the request ended without an answer"))
-        finally:
-            if not stream.finished:
-                stream.abort_nowait()
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return respond(stream, MessageEvents(state, body, rid, tenant, constraint))

@@ -14,13 +14,13 @@ tool format: ``server/tool_formats.py``) and, for a stream, into the events in O
 
 each with its ``sequence_number``; an engine failure is an ``error`` event then ``response.failed``.
 
-Knows the event shapes; the route (``server/responses.py``) runs the request and stores it.
+Knows the event shapes; the route (``server/responses.py``) runs the request and stores it, and the
+shared skeleton (``server/event_stream.py``) runs the stream (``ResponseEvents`` is its adapter).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -28,28 +28,24 @@ from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.server import constraints as C
 from hotprefix.server import responses_protocol as R
-from hotprefix.server.errors import engine_error
+from hotprefix.server.event_stream import NO_ANSWER, EventAdapter, Pieces, named_event, respond
+from hotprefix.server.protocol import APIError
 
 
 class Answer:
     """One answer's output items, built from its text as it streams (``feed``) or at once."""
 
     def __init__(self, constraint: C.Constraint):
-        self._calls = None
-        if constraint.tool_mode != "none" and constraint.functions:
-            self._calls = constraint.format.stream(constraint.functions, constraint.parallel)
+        self._pieces = Pieces(constraint)
         self.items: list[dict[str, Any]] = []
         self._text_item: dict[str, Any] | None = None
         self._text = ""
 
     def feed(self, text: str, last: bool) -> list[tuple[str, dict[str, Any]]]:
         """Events (``(type, fields)``) for new text; ``last``: the answer ends with it."""
-        if self._calls is None:
-            events = self._text_events(text) if text else []
-        else:
-            events = []
-            for kind, v in self._calls.feed(text) + (self._calls.end() if last else []):
-                events += self._text_events(v) if kind == "content" else self._call_events(v)
+        events = []
+        for kind, v in self._pieces.feed(text, last):
+            events += self._text_events(v) if kind == "content" else self._call_events(v)
         if last:
             if not self.items:  # an empty answer is one empty message
                 events += self._text_events("")
@@ -79,7 +75,7 @@ class Answer:
             return []
         self._text_item = None
         idx = self.items.index(item)
-        text = self._text.strip() if self._calls is not None and self._calls.num_calls else self._text
+        text = self._text.strip() if self._pieces.num_calls else self._text
         item.update(status="completed", content=[R.output_text(text)])
         return [("response.output_text.done", {"item_id": item["id"], "output_index": idx,
                                                "content_index": 0, "text": text, "logprobs": []}),
@@ -110,43 +106,44 @@ def whole(constraint: C.Constraint, text: str) -> list[dict[str, Any]]:
     return a.items
 
 
+class ResponseEvents(EventAdapter):
+    """The Responses API's events for one response (``stream_events``), numbered in order."""
+
+    def __init__(self, constraint: C.Constraint, started: dict[str, Any],
+                 done: Callable[[RequestOutput, list[dict[str, Any]]], Awaitable[dict[str, Any]]]):
+        self._answer = Answer(constraint)
+        self._started, self._done = started, done
+        self._num_events = 0
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> str:
+        data = {"type": kind, **fields, "sequence_number": self._num_events}
+        self._num_events += 1
+        return named_event(kind, data, ensure_ascii=False)
+
+    def opening(self) -> list[str]:
+        return [self._event("response.created", {"response": self._started}),
+                self._event("response.in_progress", {"response": self._started})]
+
+    def step(self, out: RequestOutput) -> list[str]:
+        return [self._event(kind, fields) for kind, fields in self._answer.feed(out.new_text, out.finished)]
+
+    async def finish(self, out: RequestOutput) -> list[str]:
+        final = await self._done(out, self._answer.items)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return [self._event(kind, {"response": final})]
+
+    def failed(self, err: APIError) -> list[str]:
+        return [self._event("error", R.error_event(err.message)),
+                self._event("response.failed", {"response": {
+                    **self._started, "status": "failed", "error": R.error_object(err.message)}})]
+
+    def ended(self, finished: bool) -> list[str]:
+        return [] if finished else [self._event("error", R.error_event(NO_ANSWER))]
+
+
 def stream_events(stream: RequestStream, constraint: C.Constraint, started: dict[str, Any],
                   done: Callable[[RequestOutput, list[dict[str, Any]]], Awaitable[dict[str, Any]]]
                   ) -> StreamingResponse:
     """The event stream of one response. ``started``: the response object while it runs;
     ``done(out, items)``: records the finished request and returns the final response object."""
-    answer = Answer(constraint)
-    seq = {"n": 0}
-
-    def event(kind: str, fields: dict[str, Any]) -> str:
-        data = {"type": kind, **fields, "sequence_number": seq["n"]}
-        seq["n"] += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        finished = False
-        try:
-            yield event("response.created", {"response": started})
-            yield event("response.in_progress", {"response": started})
-            async for out in stream:
-                if out.finish_reason == "error":
-                    err = engine_error(out)
-                    yield event("error", R.error_event(err.message))
-                    yield event("response.failed", {"response": {
-                        **started, "status": "failed", "error": R.error_object(err.message)}})
-                    return
-                for kind, fields in answer.feed(out.new_text, out.finished):
-                    yield event(kind, fields)
-                if out.finished:
-                    finished = True
-                    final = await done(out, answer.items)
-                    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-                    yield event(kind, {"response": final})
-            if not finished:
-                yield event("error", R.error_event("the request ended without an answer"))
-        finally:
-            if not stream.finished:
-                stream.abort_nowait()
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return respond(stream, ResponseEvents(constraint, started, done))

@@ -1,14 +1,16 @@
 """Getting a request's outputs to the client: all at once (``collect``) or as server-sent events
 (``stream_response``), in the OpenAI chunk shapes for completions and chat, a chunk per choice
 (``n``), with log probabilities when asked. A client that goes away aborts its request (every
-choice of it), so its blocks are released."""
+choice of it), so its blocks are released.
+
+The stream runs on the shared skeleton (``server/event_stream.py``); ``ChunkStream`` is its OpenAI
+adapter."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,14 +19,11 @@ from hotprefix.engine.async_engine import RequestStream
 from hotprefix.engine.engine import RequestOutput
 from hotprefix.server import logprobs as L
 from hotprefix.server import protocol as P
-from hotprefix.server.errors import engine_error
+from hotprefix.server.protocol import APIError
+from hotprefix.server.event_stream import EventAdapter, Pieces, respond, sse
 
 DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks whether its client is still there."""
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 async def collect(stream: RequestStream, request: Request) -> RequestOutput | None:
@@ -64,6 +63,182 @@ class LogprobView:
     """Whether the request asked for log probabilities (``echo`` alone does not)."""
 
 
+
+
+DONE = "data: [DONE]\n\n"
+"""OpenAI's last event, after an answer and after an error alike."""
+
+
+@dataclass
+class _Choice:
+    """Where one choice (``n``) of a stream stands."""
+
+    pieces: Pieces
+    """Its text as content and tool calls."""
+    num_calls: int = 0
+    """Tool calls sent (the next call's ``index``)."""
+    num_logprobs: int = 0
+    """Tokens whose log probabilities were sent."""
+    offset: int = 0
+    """Completions: the ``text_offset`` of the next token."""
+    ended: bool = False
+    """Its finish reason was sent (or is going out with this output)."""
+
+
+@dataclass
+class ChunkStream(EventAdapter):
+    """OpenAI's chunks (``chat.completion.chunk`` or ``text_completion``) for one request, each
+    choice as its own chunks (``choices[0].index``) ending with its own finish reason; the cache
+    report rides on the request's last chunk, then the usage chunk when asked."""
+
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    include_usage: bool
+    record: Callable[[RequestOutput], dict[str, Any]]
+    """Records the finished request; returns its cache report."""
+    constraint: Any = None
+    """With tools (chat only), calls stream in OpenAI's delta shape."""
+    view: LogprobView | None = None
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    closing: list[tuple[int, str]] = field(default_factory=list)
+    """The choices that ended with the current output, and their finish reasons."""
+
+    def _choice(self, i: int) -> _Choice:
+        if i not in self.choices:
+            self.choices[i] = _Choice(Pieces(self.constraint if self.chat else None))
+        return self.choices[i]
+
+    def chunk(self, i: int, delta_text: str | None, finish_reason: str | None,
+              **extra: Any) -> dict[str, Any]:
+        if self.chat:
+            delta = {} if delta_text is None else {"content": delta_text}
+            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": i, "text": delta_text or "", "logprobs": None,
+                      "finish_reason": finish_reason}
+        c = {"id": self.rid, "object": self._object, "created": self.created, "model": self.model,
+             "choices": [choice], **extra}
+        if self.include_usage and "usage" not in c:
+            c["usage"] = None
+        return c
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _end_chunk(self, i: int, reason: str, **extra: Any) -> str:
+        return sse(self.chunk(i, None if self.chat else "", reason, **extra))
+
+    def started(self, out: RequestOutput) -> list[str]:
+        """Chat: each choice's role chunk. Completions with ``echo``: each choice's prompt."""
+        if self.chat:
+            firsts = []
+            for i in range(len(out.outputs)):
+                first = self.chunk(i, None, None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                firsts.append(sse(first))
+            return firsts
+        if self.view is not None and self.view.echo is not None:
+            return [sse(c) for c in self._echo_chunks(out)]
+        return []
+
+    def step(self, out: RequestOutput) -> list[str]:
+        events = []
+        self.closing = []
+        for comp in out.outputs:
+            ch = self._choice(comp.index)
+            if ch.ended:
+                continue
+            done = comp.finish_reason is not None
+            chunks = self._deltas(comp.index, ch, comp.new_text, done)
+            events += [sse(c) for c in self._with_logprobs(comp, ch, chunks)]
+            if done:
+                ch.ended = True
+                reason = comp.finish_reason
+                if ch.pieces.num_calls and reason == "stop":
+                    reason = "tool_calls"
+                self.closing.append((comp.index, reason))
+        if not out.finished:
+            events += [self._end_chunk(i, reason) for i, reason in self.closing]
+        return events
+
+    async def finish(self, out: RequestOutput) -> list[str]:
+        hp = {"hotprefix": {"cache": self.record(out)}}
+        last = len(self.closing) - 1
+        events = [self._end_chunk(i, reason, **(hp if j == last else {}))
+                  for j, (i, reason) in enumerate(self.closing)]
+        if self.include_usage:
+            u = P.usage(len(out.prompt_token_ids), out.num_generated_tokens, out.num_cached_tokens)
+            events.append(sse({"id": self.rid, "object": self._object, "created": self.created,
+                               "model": self.model, "choices": [], "usage": u, **hp}))
+        return events
+
+    def failed(self, err: APIError) -> list[str]:
+        return [sse(err.body()), DONE]
+
+    def ended(self, finished: bool) -> list[str]:
+        return [DONE]
+
+    def _deltas(self, i: int, ch: _Choice, text: str, last: bool) -> list[dict[str, Any]]:
+        """The chunks for a choice's new text: content, and each tool call as its first delta
+        (id, name) and its arguments."""
+        out = []
+        for kind, v in ch.pieces.feed(text, last):
+            if kind == "content":
+                out.append(self.chunk(i, v, None))
+                continue
+            n, ch.num_calls = ch.num_calls, ch.num_calls + 1
+            for d in ({"index": n, "id": v["id"], "type": "function",
+                       "function": {"name": v["function"]["name"], "arguments": ""}},
+                      {"index": n, "function": {"arguments": v["function"]["arguments"]}}):
+                c = self.chunk(i, None, None)
+                c["choices"][0]["delta"] = {"tool_calls": [d]}
+                out.append(c)
+        return out
+
+    def _with_logprobs(self, comp: Any, ch: _Choice, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The choice's new tokens' log probabilities on its first chunk of this step (a chunk
+        with empty text when the text is held back)."""
+        view = self.view
+        if view is None or not view.show or comp.logprobs is None:
+            return chunks
+        start, end = ch.num_logprobs, len(comp.logprobs)
+        if end <= start:
+            return chunks
+        ch.num_logprobs = end
+        ids, positions = comp.token_ids[start:end], comp.logprobs[start:end]
+        if self.chat:
+            lp = {"content": L.chat_content(ids, positions, view.k, view.text), "refusal": None}
+        else:
+            lp = L.completion_logprobs(ids, positions, view.k, view.text, ch.offset)
+            ch.offset += sum(len(t) for t in lp["tokens"])
+        content = [c for c in chunks if "tool_calls" not in c["choices"][0].get("delta", {})]
+        if not content:
+            content = [self.chunk(comp.index, "", None)]
+            chunks = content + chunks
+        content[0]["choices"][0]["logprobs"] = lp
+        return chunks
+
+    def _echo_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """Completions with ``echo``: each choice's first chunk is the prompt."""
+        view = self.view
+        assert view is not None
+        chunks = []
+        for i in range(len(out.outputs)):
+            c = self.chunk(i, view.echo, None)
+            if view.show and out.prompt_logprobs is not None:
+                lp = L.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, view.k, view.text)
+                c["choices"][0]["logprobs"] = lp
+                self._choice(i).offset = sum(len(t) for t in lp["tokens"])
+            else:
+                self._choice(i).offset = len(view.echo or "")
+            chunks.append(c)
+        return chunks
+
+
 def stream_response(stream: RequestStream, chat: bool, rid: str, created: int, model: str,
                     include_usage: bool, finish: Callable[[RequestOutput], dict[str, Any]],
                     constraint: Any = None, view: LogprobView | None = None) -> StreamingResponse:
@@ -73,141 +248,5 @@ def stream_response(stream: RequestStream, chat: bool, rid: str, created: int, m
     carries its tokens' log probabilities. With tools (``constraint.tool_mode`` not ``none``), tool
     calls stream in OpenAI's delta shape (``server/tools.py``'s ``CallStream``: text that may open
     a call is held back until it is known)."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    with_tools = chat and constraint is not None and constraint.tool_mode != "none" \
-        and constraint.functions
-    calls: dict[int, Any] = {}
-    num_calls: dict[int, int] = {}
-    sent_lps: dict[int, int] = {}  # per choice: tokens whose log probabilities were sent
-    offsets: dict[int, int] = {}  # per choice: text_offset of the next token (completions)
-    ended: set[int] = set()
-
-    def call_stream(i: int) -> Any:
-        if i not in calls:
-            calls[i] = constraint.format.stream(constraint.functions, constraint.parallel)
-        return calls[i]
-
-    def deltas(i: int, text: str, last: bool) -> list[dict[str, Any]]:
-        """The chunks for a choice's new text: content, and each tool call as its first delta
-        (id, name) and its arguments."""
-        if not with_tools:
-            return [chunk(i, text, None)] if text else []
-        cs = call_stream(i)
-        out = []
-        for kind, v in cs.feed(text) + (cs.end() if last else []):
-            if kind == "content":
-                out.append(chunk(i, v, None))
-                continue
-            n = num_calls.get(i, 0)
-            num_calls[i] = n + 1
-            for d in ({"index": n, "id": v["id"], "type": "function",
-                       "function": {"name": v["function"]["name"], "arguments": ""}},
-                      {"index": n, "function": {"arguments": v["function"]["arguments"]}}):
-                c = chunk(i, None, None)
-                c["choices"][0]["delta"] = {"tool_calls": [d]}
-                out.append(c)
-        return out
-
-    def chunk(i: int, delta_text: str | None, finish_reason: str | None, **extra: Any) -> dict[str, Any]:
-        if chat:
-            delta = {} if delta_text is None else {"content": delta_text}
-            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": i, "text": delta_text or "", "logprobs": None,
-                      "finish_reason": finish_reason}
-        c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], **extra}
-        if include_usage and "usage" not in c:
-            c["usage"] = None
-        return c
-
-    def with_logprobs(i: int, comp: Any, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The choice's new tokens' log probabilities on its first chunk of this step (a chunk
-        with empty text when the text is held back)."""
-        if view is None or not view.show or comp.logprobs is None:
-            return chunks
-        start, end = sent_lps.get(i, 0), len(comp.logprobs)
-        if end <= start:
-            return chunks
-        sent_lps[i] = end
-        ids, positions = comp.token_ids[start:end], comp.logprobs[start:end]
-        if chat:
-            lp = {"content": L.chat_content(ids, positions, view.k, view.text), "refusal": None}
-        else:
-            lp = L.completion_logprobs(ids, positions, view.k, view.text, offsets.get(i, 0))
-            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
-        content = [c for c in chunks if "tool_calls" not in c["choices"][0].get("delta", {})]
-        if not content:
-            content = [chunk(i, "", None)]
-            chunks = content + chunks
-        content[0]["choices"][0]["logprobs"] = lp
-        return chunks
-
-    def echo_chunks(out: RequestOutput, n: int) -> list[dict[str, Any]]:
-        """Completions with ``echo``: each choice's first chunk is the prompt."""
-        out_chunks = []
-        for i in range(n):
-            c = chunk(i, view.echo, None)
-            if view.show and out.prompt_logprobs is not None:
-                lp = L.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, view.k, view.text)
-                c["choices"][0]["logprobs"] = lp
-                offsets[i] = sum(len(t) for t in lp["tokens"])
-            else:
-                offsets[i] = len(view.echo or "")
-            out_chunks.append(c)
-        return out_chunks
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            first_out = True
-            async for out in stream:
-                if out.finish_reason == "error":
-                    yield sse(engine_error(out).body())
-                    break
-                comps = out.outputs
-                if first_out:
-                    first_out = False
-                    if chat:
-                        for i in range(len(comps)):
-                            first = chunk(i, None, None)
-                            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                            yield sse(first)
-                    elif view is not None and view.echo is not None:
-                        for c in echo_chunks(out, len(comps)):
-                            yield sse(c)
-                closing = []
-                for comp in comps:
-                    i = comp.index
-                    if i in ended:
-                        continue
-                    done = comp.finish_reason is not None
-                    for c in with_logprobs(i, comp, deltas(i, comp.new_text, done)):
-                        yield sse(c)
-                    if done:
-                        ended.add(i)
-                        reason = comp.finish_reason
-                        if calls.get(i) is not None and calls[i].num_calls and reason == "stop":
-                            reason = "tool_calls"
-                        closing.append((i, reason))
-                if out.finished:
-                    hp = {"hotprefix": {"cache": finish(out)}}
-                    for j, (i, reason) in enumerate(closing):
-                        last = j == len(closing) - 1
-                        yield sse(chunk(i, None if chat else "", reason, **(hp if last else {})))
-                else:
-                    for i, reason in closing:
-                        yield sse(chunk(i, None if chat else "", reason))
-                if not out.finished:
-                    continue
-                if include_usage:
-                    u = P.usage(len(out.prompt_token_ids), out.num_generated_tokens,
-                                out.num_cached_tokens)
-                    yield sse({"id": rid, "object": obj, "created": created, "model": model,
-                               "choices": [], "usage": u, **hp})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not stream.finished:
-                stream.abort_nowait()
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return respond(stream, ChunkStream(chat, rid, created, model, include_usage, finish,
+                                       constraint, view))
