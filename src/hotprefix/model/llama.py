@@ -17,6 +17,8 @@ This module knows nothing about requests, the prefix cache or weight names in fi
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -91,6 +93,33 @@ def c_attention_fast(lib) -> bool:
     return BY_NAME[lib.isa].fast_gemm
 
 
+@dataclass
+class _Packer:
+    """Puts one GEMM's weight (a file tensor, or several concatenated: Q/K/V, gate/up) in the form
+    the weight mode computes with: the gguf mode's blocks where they pack, else a dense matrix for
+    the compute dtype's GEMM or the fp32-input one (``fp32_ops``)."""
+
+    weights: dict[str, torch.Tensor]
+    blocks: dict[str, tuple]
+    qlib: Any
+    """The block kernel's library (gguf mode), else None."""
+    pack: Callable
+    pack32: Callable
+    fp32_ops: frozenset
+    gguf: bool
+
+    def __call__(self, op: str, names: list[str]):
+        if self.gguf and all(n in self.blocks for n in names):
+            try:
+                return QuantWeight([self.blocks[n] for n in names], block_columns(*self.blocks[names[0]]),
+                                   self.qlib)
+            except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
+                log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
+        w = self.weights
+        t = w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names], 0)
+        return self.pack32(t) if op in self.fp32_ops else self.pack(t)
+
+
 class LlamaModel:
     """Weights + forward. Not an nn.Module: no autograd, no hooks, just tensors."""
 
@@ -103,8 +132,34 @@ class LlamaModel:
         self.kv_dtype = kv_dtype or resolve_kv_dtype("auto", dtype, device, explicit_dtype=True)
         """The pool's element type (``kv_dtype.py``; None: the compute dtype's), which the K/V
         writes round to."""
-        self.weight_mode = resolve_weights(weight_mode, device, dtype)
         blocks = blocks or {}
+        qlib = self._resolve_weight_mode(weight_mode, blocks)
+        pack, pack32, high_tag = self._pick_kernels(fused_kernels, qlib)
+        self.all_layers_call = True
+        """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
+        one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
+        makes the same calls (tests compare the two)."""
+        self.numerics = self._numerics_tag(high_tag, qlib)
+        """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
+        its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
+        segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
+        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently), and
+        the ISA level the C kernels were built for (``isa``: every level gives the portable path's
+        bits, tested, but the torch operators around them may not, so levels do not share), and the
+        KV pool's element type where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
+        self._hold_weights(weights, _Packer(weights, blocks, qlib, pack, pack32, self.fp32_ops,
+                                            self.weight_mode == "gguf"))
+        self._layer_tables()
+        self.quant_layers = self._quant_layers(qlib)
+        """The gguf mode's two-call layers (``qlinear.QuantLayers``), or None."""
+        self.min_rows = self._min_rows()
+        """Rows every GEMM's input is padded to, so each row takes the same (row-invariant) kernel."""
+
+    def _resolve_weight_mode(self, weight_mode: str, blocks: dict[str, tuple]):
+        """Sets ``weight_mode`` (gguf falls back to mixed without the kernels or the blocks) and the
+        GEMMs that run on fp32 inputs (``fp32_ops``); returns the block kernel's library where
+        gguf was resolved to and it builds, else None (used only in the gguf mode)."""
+        self.weight_mode = resolve_weights(weight_mode, self.device, self.dtype)
         # the gguf mode: the file's own weight blocks through the block kernel (qlinear.py), where
         # the kernels build and the model has blocks
         qlib = library() if self.weight_mode == "gguf" else None
@@ -116,14 +171,16 @@ class LlamaModel:
             self.weight_mode = "mixed"
         if self.weight_mode in ("mixed", "gguf"):
             self.fp32_ops = MIXED_FP32_GEMMS
-        elif dtype != torch.float32 and device.type == "cpu":
+        elif self.dtype != torch.float32 and self.device.type == "cpu":
             self.fp32_ops = HEAD_FP32_GEMMS
         else:
             self.fp32_ops = frozenset()
+        return qlib
 
-        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=as_dtype).contiguous()
-
+    def _pick_kernels(self, fused_kernels: bool, qlib) -> tuple:
+        """Sets the GEMMs (``linear``, ``linear32``), the attention (``attn_dtype``, ``fused``,
+        ``c_attention``, ``scratch``); returns the two weight packers and the fp32 GEMMs' tag."""
+        arch, device, dtype = self.arch, self.device, self.dtype
         pack, self.linear = pick_weight_linear(self.weight_mode, device, dtype)
         pack32, self.linear32, high_tag = (high_linear(device) if self.fp32_ops
                                            else (pack, self.linear, ""))
@@ -138,56 +195,48 @@ class LlamaModel:
         # attention read straight from the pool in C (attn.c) where the kernels' level has its
         # vector path; else torch's kernel on K/V gathered into scratch reused across layers and steps
         self.c_attention = self.fused is not None and c_attention_fast(self.fused.lib)
-        self.all_layers_call = True
-        """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
-        one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
-        makes the same calls (tests compare the two)."""
         self.scratch = GatherScratch(self.fused.gather_widen_kv if self.fused else None)
+        return pack, pack32, high_tag
+
+    def _numerics_tag(self, high_tag: str, qlib) -> str:
+        """The ``numerics`` tag (see there) of the modes and kernels chosen."""
+        dtype, device = self.dtype, self.device
         high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
-        if self.c_attention and arch.local_layers:  # the windowed layers too, keys lo..p
+        if self.c_attention and self.arch.local_layers:  # the windowed layers too, keys lo..p
             attn += "-window"
         clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
         kv_tag = ("" if self.kv_dtype == resolve_kv_dtype("auto", dtype, device, True)
                   else f"/kv-{self.kv_dtype.name}")
-        self.numerics = (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
-                         + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else "")
-                         + kv_tag)
-        """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
-        its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
-        segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
-        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently), and
-        the ISA level the C kernels were built for (``isa``: every level gives the portable path's
-        bits, tested, but the torch operators around them may not, so levels do not share), and the
-        KV pool's element type where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
+        return (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
+                + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else "")
+                + kv_tag)
 
-        def pk(op: str, names: list[str]):
-            if self.weight_mode == "gguf" and all(n in blocks for n in names):
-                try:
-                    return QuantWeight([blocks[n] for n in names], block_columns(*blocks[names[0]]),
-                                       qlib)
-                except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
-                    log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
-            t = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names], 0)
-            return pack32(t) if op in self.fp32_ops else pack(t)
+    def _take(self, weights: dict[str, torch.Tensor], name: str,
+              as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return weights[name].to(device=self.device, dtype=as_dtype or self.dtype).contiguous()
 
+    def _hold_weights(self, weights: dict[str, torch.Tensor], pk: _Packer) -> None:
+        """Sets the weights as held for compute: the LM head (and its fp32 rows), the embedding,
+        the final norm and each layer's norms, matrices and Q/K/V bias."""
+        arch, device, dtype = self.arch, self.device, self.dtype
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
         self.lm_head = pk("head", [head])
         # the LM head's rows in fp32 when the GEMMs are not fp32: the top logits are refined with
         # them (an fp32 copy, or rows of the gguf mode's blocks dequantized when asked)
         self.head32 = (None if dtype == torch.float32 and self.weight_mode == "dense" else
-                       BlockRows(qlib, self.lm_head) if isinstance(self.lm_head, QuantWeight) else
+                       BlockRows(pk.qlib, self.lm_head) if isinstance(self.lm_head, QuantWeight) else
                        weights[head].to(device=device, dtype=torch.float32).contiguous())
         # a tied embedding is read from those rows: exact inputs to the fp32 residual stream
         self.embed = (self.head32 if arch.tie_word_embeddings and self.head32 is not None
-                      else take("model.embed_tokens.weight"))
-        self.norm = take("model.norm.weight", torch.float32)
+                      else self._take(weights, "model.embed_tokens.weight"))
+        self.norm = self._take(weights, "model.norm.weight", torch.float32)
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            layer = {key: take(p + name + ".weight", torch.float32)
+            layer = {key: self._take(weights, p + name + ".weight", torch.float32)
                      for key, name in self.family.norms.items()}
             for op, names in MATRICES.items():
                 layer[op] = pk(op, [p + n + ".weight" for n in names])
@@ -197,6 +246,10 @@ class LlamaModel:
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
                 ).to(device=device, dtype=torch.float32 if "qkv" in self.fp32_ops else dtype)
             self.layers.append(layer)
+
+    def _layer_tables(self) -> None:
+        """Sets each layer's RoPE tables and window, the embedding scale and the attention sizes."""
+        arch, device = self.arch, self.device
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device,
                                     torch.float32, arch.rope_freq_factors)
         local = set(arch.local_layers)
@@ -213,28 +266,35 @@ class LlamaModel:
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim ** -0.5
-        # gguf mode with every layer matrix in blocks: a layer's work around attention in two calls
-        # (the plain Llama layer with one RoPE and no window: what qlayer.c computes)
-        self.quant_layers = None
+
+    def _quant_layers(self, qlib) -> QuantLayers | None:
+        """The gguf mode with every layer matrix in blocks: a layer's work around attention in two
+        calls (the plain Llama layer with one RoPE and no window: what qlayer.c computes)."""
+        arch = self.arch
         if (self.weight_mode == "gguf" and self.fused is not None and self.family.c_layers
-                and not local) and all(
+                and not arch.local_layers) and all(
                 isinstance(layer[op], QuantWeight) for layer in self.layers
                 for op in ("qkv", "o", "gate_up", "down")):
-            self.quant_layers = QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads,
-                                            arch.num_kv_heads, arch.head_dim, arch.intermediate_size)
+            return QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads,
+                               arch.num_kv_heads, arch.head_dim, arch.intermediate_size)
+        return None
+
+    def _min_rows(self) -> int:
+        """Rows are padded to the larger of the two GEMM kinds' floors (a kind no GEMM uses has
+        none); the block kernel is row-invariant by construction (exact integer sums, one float
+        order: tested), so its weights need no probe."""
+        arch = self.arch
         l0 = self.layers[0]
         probes = [("qkv", l0["qkv"], arch.hidden_size), ("down", l0["down"], arch.intermediate_size),
                   ("head", self.lm_head, arch.hidden_size)]
-        # rows are padded to the larger of the two GEMM kinds' floors (a kind no GEMM uses has none);
-        # the block kernel is row-invariant by construction (exact integer sums, one float order:
-        # tested), so its weights need no probe
-        self.min_rows = 1
-        for kind, lin, dt_ in ((False, self.linear, dtype), (True, self.linear32, torch.float32)):
+        min_rows = 1
+        for kind, lin, dt_ in ((False, self.linear, self.dtype), (True, self.linear32, torch.float32)):
             mats = [(w, k) for op, w, k in probes
                     if (op in self.fp32_ops) == kind and not isinstance(w, QuantWeight)]
             if mats:
-                self.min_rows = max(self.min_rows, invariant_min_rows(
-                    lin, [w for w, _ in mats], [k for _, k in mats], device, dt_))
+                min_rows = max(min_rows, invariant_min_rows(
+                    lin, [w for w, _ in mats], [k for _, k in mats], self.device, dt_))
+        return min_rows
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held for compute (the embedding table included)."""
