@@ -13,6 +13,10 @@ in one process, on the offline engine (no HTTP):
 * tail prefill + first token: the forward pass over the uncached tokens and the sampling;
 * the rest of the engine step (outputs, bookkeeping).
 
+The question alone is rendered with the template's default system prompt where the template has
+one (SmolLM2's does): its first full blocks hit like any repeated prefix, and the table says how
+many.
+
 The article's promise is that a hit costs "a few milliseconds of cache lookup": the target here is
 a warm TTFT at most 1.5x the question alone's. What a warm request cannot avoid is the attention of
 its new tokens over the cached context (about 4 x new x context x hidden multiply-adds a layer),
@@ -95,20 +99,32 @@ def main() -> None:
     repeats = args.repeats or 5
     contexts = [int(x) for x in args.contexts.split(",")]
     load_at_start = os.getloadavg()
-    llm = common.load_hotprefix(args.threads, model=args.model,
-                                max_model_len=max(contexts) + 512,
-                                max_num_batched_tokens=max(contexts) + 512)
+    from hotprefix.config.sections import ConfigError
+
+    try:
+        llm = common.load_hotprefix(args.threads, model=args.model, max_model_len=max(contexts) + 512,
+                                    max_num_batched_tokens=max(contexts) + 512)
+    except ConfigError:  # more than the model's positions: its own length, the contexts cut below
+        llm = common.load_hotprefix(args.threads, model=args.model,
+                                    max_num_batched_tokens=max(contexts) + 512)
+    limit = llm.engine.max_model_len - 128  # room for the template and the question
+    if max(contexts) > limit:
+        log(f"  contexts above the model's {llm.engine.max_model_len} positions cut to {limit}")
+        contexts = sorted({min(n, limit) for n in contexts})
     timer, tok = StageTimer(llm), llm.tokenizer
-    questions = [tok.decode(common.question_tokens(tok, 20, seed=100 + i)) for i in range(2 * repeats + 2)]
+    per = 2 * repeats + 1  # questions a context asks: each new, so that none is cached
+    questions = [tok.decode(common.question_tokens(tok, 20, seed=100 + i))
+                 for i in range(per * len(contexts) + 1)]
     timer.ask([{"role": "user", "content": questions[-1]}])  # warm-up: kernels, allocator
     rows, results = [], {}
-    for n in contexts:
+    for c, n in enumerate(contexts):
+        q = questions[c * per:(c + 1) * per]
         system = {"role": "system", "content": system_text(tok, n)}
-        timer.ask([system, {"role": "user", "content": questions[-2]}])  # cold: the prefix is cached
+        timer.ask([system, {"role": "user", "content": q[-1]}])  # cold: the prefix is cached
         warm, alone = [], []
         for i in range(repeats):  # interleaved, so that noise hits both alike
-            warm.append(timer.ask([system, {"role": "user", "content": questions[2 * i]}]))
-            alone.append(timer.ask([{"role": "user", "content": questions[2 * i + 1]}]))
+            warm.append(timer.ask([system, {"role": "user", "content": q[2 * i]}]))
+            alone.append(timer.ask([{"role": "user", "content": q[2 * i + 1]}]))
             log(f"  {n}: warm {warm[-1][0] * 1e3:.1f} ms ({warm[-1][3]} of {warm[-1][2]} cached), "
                 f"alone {alone[-1][0] * 1e3:.1f} ms")
         w, a = median([x[0] for x in warm]), median([x[0] for x in alone])
@@ -118,7 +134,7 @@ def main() -> None:
         results[str(n)] = {"warm_ttft_s": w, "alone_ttft_s": a, "ratio": w / a, "warm_stages_s": ws,
                            "alone_stages_s": as_, "prompt_tokens": warm[0][2], "cached_tokens": warm[0][3],
                            "new_tokens_warm": new, "prompt_tokens_alone": alone[0][2]}
-        rows.append([f"{warm[0][3]:,} cached + {new} new", f"{w * 1e3:.1f}", f"{a * 1e3:.1f} ({alone[0][2]} tokens)",
+        rows.append([f"{warm[0][3]:,} cached + {new} new", f"{w * 1e3:.1f}", f"{a * 1e3:.1f} ({alone[0][2]} tokens, {alone[0][3]} cached)",
                      f"**{w / a:.2f}x**", "PASS" if w / a <= TARGET_RATIO else "MISS"]
                     + [f"{ws[s] * 1e3:.1f} / {as_[s] * 1e3:.1f}" for s in STAGES])
     head = ["warm prompt", "warm TTFT ms", "question alone ms", "warm / alone", f"<= {TARGET_RATIO}x"] + \

@@ -30,6 +30,7 @@ static double now(void) {
     T a[12];                                                            \
     for (int i = 0; i < 12; i++) a[i] = INIT;                           \
     for (long n = 0; n < iters; n++) {                                  \
+        _Pragma("GCC unroll 12") /* the accumulators in registers */    \
         for (int i = 0; i < 12; i++) a[i] = OP;                         \
         __asm__ volatile("" : "+v"(w), "+v"(p));                        \
     }                                                                   \

@@ -37,7 +37,7 @@ def _lib() -> ctypes.CDLL | None:
         return None
     out = os.path.join(tempfile.mkdtemp(prefix="hotprefix-peak-"), "isa_peak.so")
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isa_peak.c")
-    r = subprocess.run([cc, "-O2", "-fopenmp", "-fPIC", "-shared", "-o", out, src],
+    r = subprocess.run([cc, "-O3", "-fopenmp", "-fPIC", "-shared", "-o", out, src],
                        capture_output=True, text=True)
     if r.returncode != 0:
         return None
