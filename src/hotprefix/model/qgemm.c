@@ -270,19 +270,7 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             for (int c = 1; c < chains; c++) t[r] = _mm512_add_epi32(t[r], s[r][c]);
         }
         __m512 d, m;
-        if (fmt_local(f)) {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
-            m = f == QF_Q5 ? _mm512_setzero_ps()
-                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
-        } else {
-            const uint8_t *sup = super_at(wg, f, b);
-            const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes))));
-            const __m512 s2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16))));
-            d = _mm512_mul_ps(dd, sc);
-            m = f == QF_K6 ? _mm512_mul_ps(dd, s2) /* D_hi */
-                           : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))), s2);
-        }
+        block_scales_512(wg, blk, f, b, &d, &m);
         for (int r = 0; r < nr; r++) {
             __m512 c = f == QF_K6
                 ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(m, _mm512_cvtepi32_ps(t[r])))

@@ -88,7 +88,6 @@ static void amx_config(void) {
  * scales as the int16 kernels compute them: w = d q + m (Q6_K: d for inputs 0-15, m for 16-31). */
 static void decode_group(const uint8_t *wg, const int f, int64_t nb, int8_t *bt, __m512 *dv,
                          __m512 *mv) {
-    const int64_t qbytes = fmt_qbytes(f);
     __m512i pair = _mm512_setzero_si512(); /* word 2l of a row from the first chunk, 2l + 1 the second */
     {
         uint16_t ix[32];
@@ -129,19 +128,7 @@ static void decode_group(const uint8_t *wg, const int f, int64_t nb, int8_t *bt,
         } else {
             for (int kk = 0; kk < 8; kk++) _mm512_storeu_si512(t + 64 * kk, rows[kk]);
         }
-        if (fmt_local(f)) {
-            dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
-            mv[b] = f == QF_Q5 ? _mm512_setzero_ps()
-                               : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
-        } else {
-            const uint8_t *sup = super_at(wg, f, b);
-            const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes))));
-            const __m512 s2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16))));
-            dv[b] = _mm512_mul_ps(dd, sc);
-            mv[b] = f == QF_K6 ? _mm512_mul_ps(dd, s2)
-                               : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))), s2);
-        }
+        block_scales_512(wg, blk, f, b, &dv[b], &mv[b]);
     }
 }
 

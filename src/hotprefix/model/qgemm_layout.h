@@ -131,6 +131,28 @@ static inline __attribute__((always_inline)) void decode_chunk_512(const uint8_t
     *lo = wl;
     *hi = wh;
 }
+
+/* Block b's 16 lanes' float scales: w = d q + m (Q6_K: d for inputs 0-15, m = D_hi for 16-31), the
+ * K formats' products d * sc exact in fp32. */
+static inline __attribute__((always_inline)) void block_scales_512(const uint8_t *wg,
+                                                                   const uint8_t *blk, const int f,
+                                                                   int64_t b, __m512 *d, __m512 *m) {
+    const int64_t qbytes = fmt_qbytes(f);
+    if (fmt_local(f)) {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
+        *m = f == QF_Q5 ? _mm512_setzero_ps()
+                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)));
+        return;
+    }
+    const uint8_t *sup = super_at(wg, f, b);
+    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes))));
+    const __m512 s2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16))));
+    *d = _mm512_mul_ps(dd, sc);
+    *m = f == QF_K6 ? _mm512_mul_ps(dd, s2)
+                    : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))), s2);
+}
+
 #endif
 
 #endif
