@@ -17,7 +17,6 @@ This module knows nothing about architectures or weights' meaning: only the file
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +24,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-"""GGUF value types with a fixed size -> struct format."""
-_STRING, _ARRAY = 8, 9
+from hotprefix.files.gguf_header import read_fields, read_string
+
 _TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
           GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
           GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
@@ -38,26 +35,6 @@ _TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.flo
 
 class GgufFormatError(ValueError):
     """Not a GGUF file this reader understands."""
-
-
-class LazyStrings(Sequence):
-    """A metadata array of strings, decoded on first access (its length is known at once)."""
-
-    def __init__(self, buf: memoryview, offset: int, count: int):
-        self._buf, self._offset, self._count, self._items = buf, offset, count, None
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, i):
-        if self._items is None:
-            items, off, buf = [], self._offset, self._buf
-            for _ in range(self._count):
-                n, = struct.unpack_from("<Q", buf, off)
-                items.append(str(buf[off + 8:off + 8 + n], "utf-8"))
-                off += 8 + n
-            self._items = items
-        return self._items[i]
 
 
 @dataclass
@@ -89,50 +66,10 @@ class GgufFile:
 
 
 def _parse(buf: memoryview, data: np.ndarray) -> tuple[dict[str, Any], list[GgufTensor]]:
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError("not a GGUF file")
-    version, = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} (big-endian or too old) is not read here")
-    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    off = 24
-
-    def string(off: int) -> tuple[str, int]:
-        n, = struct.unpack_from("<Q", buf, off)
-        return str(buf[off + 8:off + 8 + n], "utf-8"), off + 8 + n
-
-    def value(vtype: int, off: int) -> tuple[Any, int]:
-        if vtype in _SCALARS:
-            fmt = _SCALARS[vtype]
-            return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-        if vtype == _STRING:
-            return string(off)
-        if vtype != _ARRAY:
-            raise ValueError(f"unknown GGUF value type {vtype}")
-        itype, count = struct.unpack_from("<IQ", buf, off)
-        off += 12
-        if itype in _SCALARS:
-            dt = np.dtype(_SCALARS[itype])
-            return np.frombuffer(buf, dt, count, off).tolist(), off + dt.itemsize * count
-        if itype == _STRING:
-            start = off
-            for _ in range(count):
-                off += 8 + struct.unpack_from("<Q", buf, off)[0]
-            return LazyStrings(buf, start, count), off
-        items = []
-        for _ in range(count):
-            v, off = value(itype, off)
-            items.append(v)
-        return items, off
-
-    fields: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key, off = string(off)
-        vtype, = struct.unpack_from("<I", buf, off)
-        fields[key], off = value(vtype, off + 4)
+    fields, off, n_tensors = read_fields(buf)
     infos = []
     for _ in range(n_tensors):
-        name, off = string(off)
+        name, off = read_string(buf, off)
         n_dims, = struct.unpack_from("<I", buf, off)
         dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
         ttype, offset = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hotprefix.files.gguf_header import LazyStrings, read_fields
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 """GGUF token types (``gguf.TokenType``; SentencePiece's ``ModelProto.SentencePiece.Type``)."""
 
@@ -115,11 +117,6 @@ class SpmVocab:
 
 # --------------------------------------------------------------------------- reading the file
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def read_metadata(path: str, keys: tuple[str, ...] = _KEYS) -> dict:
     """The named metadata keys of a GGUF file (v2/v3, little-endian), read straight from its
     header: numeric arrays as numpy arrays, string arrays as lists. Other keys are skipped without
@@ -129,68 +126,16 @@ def read_metadata(path: str, keys: tuple[str, ...] = _KEYS) -> dict:
         VocabError: not a GGUF file this reader understands.
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = memoryview(mm)
+        buf, fields = memoryview(mm), None
         try:
-            return _parse(buf, set(keys))
-        except (struct.error, IndexError, UnicodeDecodeError) as e:
+            fields, _, _ = read_fields(buf, numpy_arrays=True)
+            return {k: v.copy() if isinstance(v, np.ndarray) else list(v) if isinstance(v, LazyStrings)
+                    else v for k, v in fields.items() if k in keys}
+        except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
             raise VocabError(f"{path}: unreadable GGUF metadata ({e})") from None
         finally:
+            fields = None  # its arrays are views of the map: gone before it closes
             buf.release()
-
-
-def _parse(buf: memoryview, wanted: set[str]) -> dict:
-    if bytes(buf[:4]) != b"GGUF":
-        raise VocabError("not a GGUF file")
-    version, = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise VocabError(f"GGUF version {version} (big-endian or too old) is not read here")
-    _, n_kv = struct.unpack_from("<QQ", buf, 8)
-    off = 24
-    out: dict = {}
-
-    def string(off: int) -> tuple[str, int]:
-        n, = struct.unpack_from("<Q", buf, off)
-        return str(buf[off + 8:off + 8 + n], "utf-8"), off + 8 + n
-
-    def value(vtype: int, off: int, keep: bool):
-        if vtype in _SCALARS:
-            fmt = _SCALARS[vtype]
-            return (struct.unpack_from(fmt, buf, off)[0] if keep else None), off + struct.calcsize(fmt)
-        if vtype == _STRING:
-            if keep:
-                return string(off)
-            n, = struct.unpack_from("<Q", buf, off)
-            return None, off + 8 + n
-        if vtype != _ARRAY:
-            raise VocabError(f"unknown GGUF value type {vtype}")
-        itype, count = struct.unpack_from("<IQ", buf, off)
-        off += 12
-        if itype in _SCALARS:
-            size = struct.calcsize(_SCALARS[itype])
-            arr = np.frombuffer(buf, dtype=np.dtype(_SCALARS[itype]), count=count, offset=off).copy() \
-                if keep else None
-            return arr, off + size * count
-        if itype == _STRING:
-            items = []
-            for _ in range(count):
-                n, = struct.unpack_from("<Q", buf, off)
-                if keep:
-                    items.append(str(buf[off + 8:off + 8 + n], "utf-8"))
-                off += 8 + n
-            return (items if keep else None), off
-        items = []  # arrays of arrays: rare, never wanted here
-        for _ in range(count):
-            v, off = value(itype, off, keep)
-            items.append(v)
-        return (items if keep else None), off
-
-    for _ in range(n_kv):
-        key, off = string(off)
-        vtype, = struct.unpack_from("<I", buf, off)
-        val, off = value(vtype, off + 4, key in wanted)
-        if key in wanted:
-            out[key] = val
-    return out
 
 
 def vocab_from_metadata(md: dict) -> SpmVocab | None:
