@@ -244,36 +244,36 @@ def _owner(state: ServerState, tenant: Tenant) -> str:
     return state.responses.owner_key(tenant.name)
 
 
-@router.get("/v1/responses/{response_id}")
-async def retrieve(response_id: str, tenant: Tenant = Depends(tenant_dep),
-                   state: ServerState = Depends(get_state)):
+def _owned(state: ServerState, tenant: Tenant, response_id: str):
+    """The tenant's stored response ``response_id``; another tenant's or none: the same 404."""
     rec = state.responses.get(_owner(state, tenant), response_id)
     if rec is None:
         raise not_found(response_id)
-    return JSONResponse(rec.response)
+    return rec
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, tenant: Tenant = Depends(tenant_dep),
+                   state: ServerState = Depends(get_state)):
+    return JSONResponse(_owned(state, tenant, response_id).response)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, tenant: Tenant = Depends(tenant_dep),
                  state: ServerState = Depends(get_state)):
-    owner = _owner(state, tenant)
-    rec = state.responses.get(owner, response_id)
-    if rec is None:
-        raise not_found(response_id)
+    _owned(state, tenant, response_id)
     running = state.background_responses.pop(response_id, None)
     if running is not None:
         running[0].cancel()
         running[1].abort_nowait()
-    await asyncio.to_thread(state.responses.delete, owner, response_id)
+    await asyncio.to_thread(state.responses.delete, _owner(state, tenant), response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel(response_id: str, tenant: Tenant = Depends(tenant_dep),
                  state: ServerState = Depends(get_state)):
-    rec = state.responses.get(_owner(state, tenant), response_id)
-    if rec is None:
-        raise not_found(response_id)
+    rec = _owned(state, tenant, response_id)
     if not rec.background:
         raise APIError(400, "Only responses created with background: true can be cancelled.",
                        param="response_id")
