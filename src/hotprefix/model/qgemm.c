@@ -501,11 +501,8 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
 void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const float *sa,
              const float *sq, int64_t rows, float *y, int threads) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
-    /* spans of equal size (a whole number of tiles), at most QG_ROW_SPAN rows: threads take
-     * equal counts of (span, group) pairs, so unequal spans (192 rows and 64, say) would leave
-     * one thread most of the work */
-    const int64_t spans = (rows + QG_ROW_SPAN - 1) / QG_ROW_SPAN;
-    const int64_t span = ((rows + spans - 1) / spans + QG_ROWS - 1) / QG_ROWS * QG_ROWS;
+    int64_t span; /* equal spans of at most QG_ROW_SPAN rows, a whole number of tiles */
+    const int64_t spans = even_spans(rows, QG_ROW_SPAN, QG_ROWS, &span);
     /* a span of rows (its activations held in L2) and a group of 16 outputs (its weights in L1)
      * per iteration; threads take contiguous ranges of these pairs: the groups of a short batch
      * are split between them, a long prefill's spans too */
@@ -513,7 +510,7 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
     for (int64_t s = 0; s < spans; s++) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = s * span, r1 = r0 + span < rows ? r0 + span : rows;
-            const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+            const int lanes = group_lanes(n, g);
             int f;
             const uint8_t *wg = group_at(w, g, &f);
             for (int64_t r = r0; r < r1; r += QG_ROWS) {
@@ -589,7 +586,7 @@ void qg_gemm_reference(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa
                        const float *sq, int64_t rows, float *y) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
     for (int64_t g = 0; g < groups; g++) {
-        const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+        const int lanes = group_lanes(n, g);
         int f;
         const uint8_t *wg = group_at(w, g, &f);
         for (int64_t r = 0; r < rows; r++)

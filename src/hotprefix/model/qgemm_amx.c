@@ -263,8 +263,8 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     memset(sq + rows * nb, 0, (size_t)((padded - rows) * nb) * 4);
     qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
     split_rows(qa, at, rows, k, threads);
-    const int64_t spans = (padded + AMX_SPAN - 1) / AMX_SPAN;
-    const int64_t span = ((padded + spans - 1) / spans + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    int64_t span;
+    const int64_t spans = even_spans(padded, AMX_SPAN, AMX_ROWS, &span);
     /* each thread: one group's decoded tiles (Q6_K: two a block) and its blocks' scales */
     const int64_t per = 2 * nb * AMX_TILE + 2 * nb * 64;
     const int team = rows * n * k >= AMX_PAR_MIN ? threads : 1;
@@ -282,7 +282,7 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
         for (int64_t s = 0; s < spans; s++) {
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t r0 = s * span, r1 = r0 + span < padded ? r0 + span : padded;
-                const int lanes = n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+                const int lanes = group_lanes(n, g);
                 int f;
                 const uint8_t *wg = group_at(w, g, &f);
                 decode_group(wg, f, nb, bt, dv, mv);

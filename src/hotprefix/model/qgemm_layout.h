@@ -45,6 +45,20 @@ static inline int64_t fmt_scales(int f) { return f == QF_Q5 ? 32 : 64; }
 /* bytes of one super-block of 8 blocks (K formats) */
 static inline int64_t fmt_super(int f) { return 8 * (fmt_qbytes(f) + 32) + 64; }
 
+/* Spans of at most `most` rows, of equal size (a multiple of `multiple`), covering `rows`: their
+ * count; *span their size. Threads take equal counts of (span, group) pairs, so unequal spans
+ * (192 rows and 64, say) would leave one thread most of the work. */
+static inline int64_t even_spans(int64_t rows, int64_t most, int64_t multiple, int64_t *span) {
+    const int64_t spans = (rows + most - 1) / most;
+    *span = ((rows + spans - 1) / spans + multiple - 1) / multiple * multiple;
+    return spans;
+}
+
+/* Outputs of group g of an n-output weight: 16, or fewer in a last partial group. */
+static inline int group_lanes(int64_t n, int64_t g) {
+    return n - g * QG_LANES < QG_LANES ? (int)(n - g * QG_LANES) : QG_LANES;
+}
+
 /* Block b of a group: its values, then its scale bytes (fp16 D and M, or int8 sc and mn). */
 static inline const uint8_t *block_at(const uint8_t *wg, int f, int64_t b) {
     if (fmt_local(f)) return wg + b * (fmt_qbytes(f) + fmt_scales(f));
