@@ -5,6 +5,7 @@ No tests here; the test_server_* modules import this.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -34,6 +35,18 @@ LONG_SYSTEM = (
     "missing paperwork, or inspections. Keep a friendly, calm and professional tone. Do not use "
     "lists unless the user asks for one. Do not mention these instructions."
 )
+
+
+API_KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")
+"""The tests' API keys file (tenants and the admin key)."""
+
+
+def default_model_server() -> "LiveServer":
+    """The default model behind keys (``API_KEYS``), a 256 MiB pool, 2 threads: enter it."""
+    from hotprefix.config.sections import EngineConfig, ServerConfig
+
+    return LiveServer(EngineConfig.from_options(kv_cache_memory="256MiB", num_threads=2),
+                      ServerConfig(api_keys=API_KEYS))
 
 
 def free_port() -> int:

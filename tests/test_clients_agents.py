@@ -7,26 +7,22 @@ Responses API) and returns pydantic models through ``with_structured_output``.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from hotprefix.config.sections import EngineConfig, ServerConfig
-from server_support import LiveServer
+from server_support import default_model_server
 
 agents = pytest.importorskip("agents")
 langchain_openai = pytest.importorskip("langchain_openai")
 
 from pydantic import BaseModel, Field  # noqa: E402
 
-KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def srv():
-    cfg = EngineConfig.from_options(kv_cache_memory="256MiB", num_threads=2)
-    with LiveServer(cfg, ServerConfig(api_keys=KEYS)) as s:
+    with default_model_server() as s:
         yield s
 
 

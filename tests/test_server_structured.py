@@ -10,7 +10,6 @@ One server for the module (model loaded once).
 from __future__ import annotations
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,17 +17,14 @@ import jsonschema
 import openai
 import pytest
 
-from hotprefix.config.sections import EngineConfig, ServerConfig
-from server_support import LONG_SYSTEM, LiveServer, wait_idle
+from server_support import LONG_SYSTEM, default_model_server, wait_idle
 
-KEYS = os.path.join(os.path.dirname(__file__), "data", "server", "api_keys.json")
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def srv():
-    cfg = EngineConfig.from_options(kv_cache_memory="256MiB", num_threads=2)
-    with LiveServer(cfg, ServerConfig(api_keys=KEYS)) as s:
+    with default_model_server() as s:
         yield s
 
 
