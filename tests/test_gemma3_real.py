@@ -95,3 +95,43 @@ def test_cold_equals_warm_and_batched_at_1600_tokens(gemma_llm):
         assert out.token_ids == cold.token_ids
         assert out.outputs[0].logprobs == cold.outputs[0].logprobs
     assert gemma_llm.engine.cache.pool.num_in_use == 0
+
+
+def test_layer_calls_give_the_per_kernel_bits(gemma_llm):
+    """Gemma's layer (QK-norm, four norms, GELU-tanh, local and global RoPE, five windowed layers
+    in six) runs in the C layer calls (``qlayer.c``) on the hybrid pool's KV groups: every layer in
+    one call, two calls a layer, and the per-kernel loop give the same logits to the bit (one
+    600-token prefill past the window) and the same tokens and log-probabilities through the engine
+    (a 548-token prompt batched with a short one, then decode steps)."""
+    from hotprefix.tools import quality
+
+    runner = gemma_llm.engine.runner
+    model = runner.model
+    if model.quant_layers is None:
+        pytest.skip("the default here is not the gguf mode with the fused kernels")
+    g = torch.Generator().manual_seed(5)
+    prompt = [2] + torch.randint(1000, 200000, (599,), generator=g).tolist()
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
+    layers, groups = model.quant_layers, []
+    real_all = layers.all_layers
+
+    def counted(h, lys, kv, ropes, windows, positions, metas, scale):
+        groups.append(len({id(m) for m in metas}))
+        return real_all(h, lys, kv, ropes, windows, positions, metas, scale)
+
+    runs, outs = [], []
+    try:
+        layers.all_layers = counted
+        for all_layers, quant in ((True, layers), (False, layers), (False, None)):
+            model.all_layers_call, model.quant_layers = all_layers, quant
+            runs.append(quality.all_position_logits(runner, prompt))
+            gemma_llm.reset_prefix_cache()
+            out = gemma_llm.generate([prompt[:548], prompt[:40]], params)
+            outs.append([(o.token_ids, o.outputs[0].logprobs) for o in out])
+    finally:
+        model.all_layers_call, model.quant_layers = True, layers
+        del layers.all_layers
+    assert max(groups) > 1  # the engine's steps ran the hybrid pool's KV groups, one metadata each
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+    assert outs[0] == outs[1] == outs[2]
+    assert gemma_llm.engine.cache.pool.num_in_use == 0

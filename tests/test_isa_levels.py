@@ -96,8 +96,8 @@ def test_rope_write_kv_gives_the_portable_bits(level, heads):
 
 
 @pytest.mark.parametrize("level", OTHER_LEVELS)
-def test_silu_mul_gives_the_portable_bits(level):
-    """Including exp's clamps (±88.38 / -87.34), its overflow and underflow sides, NaN and
+def test_act_mul_gives_the_portable_bits(level):
+    """SiLU and GELU-tanh, including exp's clamps (±88.38 / -87.34), its overflow and underflow sides, NaN and
     infinities in gate and up."""
     ops, ref = _ops(level), _ops("portable")
     g = torch.Generator().manual_seed(3)
@@ -107,18 +107,19 @@ def test_silu_mul_gives_the_portable_bits(level):
             gu = _hostile(rows, 2 * inter, g)
             m = min(inter, sweep.numel())
             gu[0, :m] = sweep[:m]  # the gate across exp's whole range
-            _same_bits(ops.silu_mul(gu), ref.silu_mul(gu), (rows, inter))
-            plain = torch.randn(rows, 2 * inter, generator=g) * 4
-            _same_bits(ops.silu_mul(plain), ref.silu_mul(plain), (rows, inter, "plain"))
+            for kind in ("silu", "gelu_tanh"):
+                _same_bits(ops.act_mul(gu, kind), ref.act_mul(gu, kind), (rows, inter, kind))
+                plain = torch.randn(rows, 2 * inter, generator=g) * 4
+                _same_bits(ops.act_mul(plain, kind), ref.act_mul(plain, kind), (rows, inter, kind, "plain"))
     full = torch.linspace(-120, 120, 2 * 4801).view(1, -1)  # every gate value of the sweep
-    _same_bits(ops.silu_mul(full), ref.silu_mul(full), "sweep")
+    for kind in ("silu", "gelu_tanh"):
+        _same_bits(ops.act_mul(full, kind), ref.act_mul(full, kind), ("sweep", kind))
 
 
-def _silu_mul_numpy(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """``fused.c``'s silu_mul transcribed in numpy float32, one rounding an operation (no FMA)."""
+def _exp_numpy(x: np.ndarray) -> np.ndarray:
+    """``fused.c``'s exp_poly transcribed in numpy float32, one rounding an operation (no FMA)."""
     f = np.float32
     with np.errstate(over="ignore", invalid="ignore"):
-        x = -gate
         x = np.where(x > f(88.3762626647949), f(88.3762626647949), x)
         x = np.where(x < f(-87.3365447504019), f(-87.3365447504019), x)
         fx = (x * f(1.44269504088896341) + f(12582912.0)) - f(12582912.0)
@@ -131,14 +132,27 @@ def _silu_mul_numpy(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         y = y * z + x + f(1.0)
         e = fx.astype(np.int32) + np.int32(127)
         p = (e.astype(np.uint32) << np.uint32(23)).view(np.float32)
-        return gate / (f(1.0) + y * p) * up
+        return y * p
+
+
+def _act_mul_numpy(kind: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``fused.c``'s silu_mul / gelu_tanh_mul transcribed in numpy float32."""
+    f = np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind == "silu":
+            return gate / (f(1.0) + _exp_numpy(-gate)) * up
+        y = f(0.7978845608028654) * (gate + f(0.044715) * (gate * gate * gate))
+        t = f(1.0) - f(2.0) / (_exp_numpy(f(2.0) * y) + f(1.0))
+        return ((f(0.5) * gate) * (f(1.0) + t)) * up
 
 
 @pytest.mark.parametrize("level", [lv.name for lv in isa.LEVELS])
-def test_silu_mul_gives_its_sources_bits(level):
-    """At every level (the portable one included), silu_mul is its C source's arithmetic to the
-    bit, whether the compiler vectorized the loop or not: the gate across exp's whole range and
-    its clamps, subnormals, zeros and infinities (NaN compared as NaN)."""
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_act_mul_gives_its_sources_bits(level, kind):
+    """At every level (the portable one included), silu_mul and gelu_tanh_mul are their C
+    source's arithmetic to the bit, whether the compiler vectorized the loop or not: the gate
+    across exp's whole range and its clamps, subnormals, zeros and infinities (NaN compared as
+    NaN); and GELU-tanh within 1e-6 (relative to max(1, |x|)) of torch's."""
     ops = _ops(level)
     g = torch.Generator().manual_seed(7)
     gate = torch.cat([torch.linspace(-120, 120, 20001), torch.randn(20000, generator=g) * 10,
@@ -148,12 +162,17 @@ def test_silu_mul_gives_its_sources_bits(level):
                       .view(torch.float32)])
     gate = gate[: gate.numel() // 16 * 16 + 7]  # a partial last vector
     up = torch.randn(gate.numel(), generator=g) * 2
-    got = ops.silu_mul(torch.cat([gate, up]).view(1, -1))[0].numpy()
-    want = _silu_mul_numpy(gate.numpy(), up.numpy())
+    got = ops.act_mul(torch.cat([gate, up]).view(1, -1), kind)[0].numpy()
+    want = _act_mul_numpy(kind, gate.numpy(), up.numpy())
     nan = np.isnan(want)
     assert (np.isnan(got) == nan).all()
     assert (got[~nan].view(np.int32) == want[~nan].view(np.int32)).all(), \
         np.flatnonzero(got[~nan].view(np.int32) != want[~nan].view(np.int32))[:5]
+    if kind == "gelu_tanh":
+        x = torch.linspace(-30, 30, 60001)
+        ours = ops.act_mul(torch.cat([x, torch.ones_like(x)]).view(1, -1), kind)[0]
+        err = (ours - torch.nn.functional.gelu(x, approximate="tanh")).abs() / x.abs().clamp(min=1)
+        assert err.max() < 1e-6, err.max()
 
 
 @pytest.mark.parametrize("level", OTHER_LEVELS)
@@ -204,19 +223,30 @@ def _quant_layer(g: torch.Generator, dim: int, nh: int, nkv: int, hd: int, inter
 
 
 @pytest.mark.parametrize("level", OTHER_LEVELS)
-def test_quant_layer_calls_give_the_portable_bits(level):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_quant_layer_calls_give_the_portable_bits(level, family):
     """``qlayer.c``'s two calls (norm, Q/K/V with bias, RoPE and the K/V write; output projection,
-    norm, SiLU MLP) at the level against the portable build: queries, pools, residual stream and
-    MLP output to the bit, on 3 and 40 rows."""
+    norm, SiLU MLP; and gemma3's: QK-norm, norms on both sublayers' outputs, GELU-tanh) at the
+    level against the portable build: queries, pools, residual stream and MLP output to the bit,
+    on 3 and 40 rows."""
+    from types import SimpleNamespace
+
     from hotprefix.model.qlinear import QuantLayers
 
     _ops(level)  # skips a level the CPU cannot run
     nh, nkv, hd, dim, inter = 4, 2, 32, 128, 256
     g = torch.Generator().manual_seed(6)
     layer = _quant_layer(g, dim, nh, nkv, hd, inter)
+    act = "silu"
+    if family == "gemma3":
+        act = "gelu_tanh"
+        layer.update(q_norm=torch.randn(hd, generator=g) + 1, k_norm=torch.randn(hd, generator=g) + 1,
+                     attn_out_norm=torch.randn(dim, generator=g) + 1,
+                     mlp_out_norm=torch.randn(dim, generator=g) + 1)
     ang = torch.randn(64, hd, generator=g)
-    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
-    layers = {lv: QuantLayers(fused.library(lv), 1e-5, nh, nkv, hd, inter) for lv in ("portable", level)}
+    rope = SimpleNamespace(cos=ang.cos().contiguous(), sin=ang.sin().contiguous())
+    layers = {lv: QuantLayers(fused.library(lv), 1e-5, nh, nkv, hd, inter, act)
+              for lv in ("portable", level)}
     for rows in (3, 40):
         h0 = torch.randn(rows, dim, generator=g) * 2
         h0[0, :5] = torch.tensor([1e-42, 3e4, -0.0, 0.0, -7e3])
@@ -228,7 +258,7 @@ def test_quant_layer_calls_give_the_portable_bits(level):
         for lv, ql in layers.items():
             kc, vc = (torch.zeros(4, 16, nkv, hd, dtype=torch.bfloat16) for _ in range(2))
             h = h0.clone()
-            q = ql.pre(h, pending, layer, cos, sin, pos, kc, vc, slots)
+            q = ql.pre(h, pending, layer, rope, pos, kc, vc, slots)
             mlp = ql.post(o, h, layer)
             got[lv] = (q, kc, vc, h, mlp)
         for name, a, b in zip(("q", "k", "v", "h", "mlp"), got[level], got["portable"]):

@@ -41,6 +41,19 @@ void add_rms_norm(float *h, const float *d, const float *w, float *out, int64_t 
     }
 }
 
+/* Each of `heads` heads of hd values at column lo of every row (rows of `width` floats) <- its
+ * RMSNorm times w, in place: add_rms_norm's arithmetic on each head (QK-norm). */
+void head_rms_norm(float *x, int64_t rows, int64_t width, int64_t lo, int64_t heads, int64_t hd,
+                   const float *w, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * width + lo + h * hd;
+            float inv = 1.0f / sqrtf(sum_squares(v, hd) / (float)hd + eps);
+            for (int64_t i = 0; i < hd; i++) v[i] = (v[i] * inv) * w[i];
+        }
+}
+
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -163,6 +176,26 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int thre
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
         for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i], hi, lo)) * u[i];
+    }
+}
+
+/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = gelu_tanh(gate) * up, where
+ * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (GeGLU: Gemma's MLP) and
+ * tanh(y) = 1 - 2 / (exp(2 y) + 1) with silu_mul's exp: the same bits on every CPU and level
+ * (torch's GELU, on SLEEF's tanh, rounds otherwise: the numerics tag says which ran). */
+void gelu_tanh_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads) {
+    volatile float clamp_hi = EXP_HI, clamp_lo = EXP_LO;
+    const float hi = clamp_hi, lo = clamp_lo;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float x = g[i];
+            float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+            float t = 1.0f - 2.0f / (exp_poly(2.0f * y, hi, lo) + 1.0f);
+            o[i] = ((0.5f * x) * (1.0f + t)) * u[i];
+        }
     }
 }
 

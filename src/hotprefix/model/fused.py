@@ -8,7 +8,8 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 - ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's element type (bf16,
   fp32, or int8 with a scale per token and KV head: ``kv_dtype.py``) and the write through the slot
   mapping;
-- ``silu_mul``: SiLU(gate) * up;
+- ``silu_mul``, ``gelu_tanh_mul``: SiLU(gate) * up, GELU-tanh(gate) * up (``act_mul``);
+- ``head_rms_norm``: QK-norm, each head's RMSNorm in place;
 - ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 or int8 pool into fp32 for
   attention.
 
@@ -79,6 +80,8 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "rope_write_kv": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _P, _I,
                        ctypes.c_int], _I),
     "silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "gelu_tanh_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F, ctypes.c_int], None),
     "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
     "qg_quantize_rows_reference": ([_P, _P, _P, _P, _I, _I], None),
@@ -88,16 +91,17 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "qg_dequant_rows": ([_P, _I, _I, _P, _I, _P], _I),
     "qg_group_bytes": ([ctypes.c_int, _I], _I),
     "qg_pack": ([_P, _I, _I, _I, _P, _P, ctypes.c_int], _I),
-    "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P, _P,
+    "qg_layer_pre": ([_P, _P, _P, _F, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P, _P,
                       _P, _P, ctypes.c_int, _P, _I, ctypes.c_int], _I),
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _F, _P,
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
     "select_top_k": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
     "select_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
-    "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, _I,
-                   _I, _P, _I, _P, _P, _F, ctypes.c_int], _I),
-    "qg_layer_post": ([_P, _I, _P, _P, _F, _I, _I, _P, _P, _I, _P, _P, ctypes.c_int], ctypes.c_int),
+    "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, ctypes.c_int, _P, ctypes.c_int, _I, _F,
+                   ctypes.c_int], _I),
+    "qg_layer_post": ([_P, _I, _P, _P, _P, _P, ctypes.c_int, _F, _I, _I, _P, _P, _I, _P, _P,
+                       ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -213,11 +217,23 @@ class FusedOps:
             raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
         return q
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def head_rms_norm(self, qkv: torch.Tensor, lo: int, heads: int, w: torch.Tensor) -> None:
+        """RMSNorm * w over each head of columns ``lo : lo + heads * hd`` of every row of ``qkv``
+        (contiguous fp32), in place: QK-norm, ``add_rms_norm``'s arithmetic per head."""
+        self.lib.head_rms_norm(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], lo, heads, self.hd,
+                               w.data_ptr(), self.eps, self.threads())
+
+    def act_mul(self, gate_up: torch.Tensor, kind: str) -> torch.Tensor:
+        """``act(gate) * up`` of gate_up [rows, 2 inter] (contiguous fp32): ``silu`` (SwiGLU) or
+        ``gelu_tanh`` (GeGLU)."""
         n, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(n, inter, dtype=torch.float32)
-        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, self.threads())
+        fn = {"silu": self.lib.silu_mul, "gelu_tanh": self.lib.gelu_tanh_mul}[kind]
+        fn(gate_up.data_ptr(), out.data_ptr(), n, inter, self.threads())
         return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.act_mul(gate_up, "silu")
 
     def gather_widen_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
                         k_out: torch.Tensor, v_out: torch.Tensor) -> None:

@@ -210,8 +210,10 @@ class LlamaModel:
         clib = qlib if self.weight_mode == "gguf" else self.fused.lib if self.fused else None
         kv_tag = ("" if self.kv_dtype == resolve_kv_dtype("auto", dtype, device, True)
                   else f"/kv-{self.kv_dtype.name}")
-        return (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}"
-                + ("/fused" if self.fused else "") + (f"/isa-{clib.isa}" if clib else "")
+        fused = ("/fused" + ("-gelu" if self.family.activation == "gelu_tanh" else "")
+                 if self.fused else "")  # fused.c's GELU-tanh, not torch's
+        return (f"{str(dtype).removeprefix('torch.')}/{self.weight_mode}{high}{attn}{fused}"
+                + (f"/isa-{clib.isa}" if clib else "")
                 + kv_tag)
 
     def _take(self, weights: dict[str, torch.Tensor], name: str,
@@ -269,14 +271,13 @@ class LlamaModel:
 
     def _quant_layers(self, qlib) -> QuantLayers | None:
         """The gguf mode with every layer matrix in blocks: a layer's work around attention in two
-        calls (the plain Llama layer with one RoPE and no window: what qlayer.c computes)."""
+        calls (the family's layer, where it is one qlayer.c computes: ``Family.c_layers``)."""
         arch = self.arch
-        if (self.weight_mode == "gguf" and self.fused is not None and self.family.c_layers
-                and not arch.local_layers) and all(
+        if (self.weight_mode == "gguf" and self.fused is not None and self.family.c_layers) and all(
                 isinstance(layer[op], QuantWeight) for layer in self.layers
                 for op in ("qkv", "o", "gate_up", "down")):
-            return QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads,
-                               arch.num_kv_heads, arch.head_dim, arch.intermediate_size)
+            return QuantLayers(qlib, arch.rms_norm_eps, arch.num_heads, arch.num_kv_heads,
+                               arch.head_dim, arch.intermediate_size, self.family.activation)
         return None
 
     def _min_rows(self) -> int:
@@ -344,7 +345,7 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         n = input_ids.shape[0]
-        if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS and not isinstance(meta, list):
+        if self.quant_layers is not None and n <= QUANT_LAYER_MAX_ROWS:
             h = self._layers_quant(h, positions, kv_caches, meta, n_real)
         else:
             h = self._layers(h, positions, kv_caches, meta, n_real)
@@ -404,18 +405,22 @@ class LlamaModel:
         return h.add_(pending.float())
 
     def _layers_quant(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
-                      meta: AttentionMetadata, n_real: int) -> torch.Tensor:
-        """``_layers`` (the Llama layer, fused kernels) with each layer's work before and after attention in one C call, or
-        with the C attention, every layer in one call (``all_layers_call``; the same bits)."""
+                      meta: AttentionMetadata | list[AttentionMetadata], n_real: int) -> torch.Tensor:
+        """``_layers`` (the family's layer, fused kernels) with each layer's work before and after
+        attention in one C call, or with the C attention, every layer in one call
+        (``all_layers_call``; the same bits)."""
         ql = self.quant_layers
         positions = positions.contiguous()
-        slots = meta.slot_mapping.contiguous()
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         if self.c_attention and self.all_layers_call:
-            return ql.all_layers(h, self.layers, kv_caches, self.rope.cos, self.rope.sin,
-                                 positions, slots, meta.row_plan(h.shape[0]), self.scale)
-        pending = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            q = ql.pre(h, pending, layer, self.rope.cos, self.rope.sin, positions, k_cache, v_cache, slots)
-            o = self._attend(q, k_cache, v_cache, meta, n_real)
+            return ql.all_layers(h, self.layers, kv_caches, self.layer_rope, self.layer_window,
+                                 positions, metas, self.scale)
+        pending, slots = None, {}
+        for layer, (k_cache, v_cache), rope, window, m in zip(
+                self.layers, kv_caches, self.layer_rope, self.layer_window, metas):
+            if id(m) not in slots:
+                slots[id(m)] = m.slot_mapping.contiguous()
+            q = ql.pre(h, pending, layer, rope, positions, k_cache, v_cache, slots[id(m)])
+            o = self._attend(q, k_cache, v_cache, m, n_real, window)
             pending = ql.post(o, h, layer)
         return h.add_(pending)

@@ -135,83 +135,109 @@ def fast_block_kernels() -> bool:
     return requested_level().fast_gemm
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activations ``qlayer.c`` computes, by its code (``ACT_SILU``, ``ACT_GELU_TANH``)."""
+
+
 class QuantLayers:
-    """A decoder layer's work around attention in two C calls (``qlayer.c``) when all four of its
-    matrices are block-quantized: the kernels ``LlamaModel._layers_fused`` calls one by one, in the
-    same order on the same values (the same bits), without the calls' cost between them."""
+    """A decoder layer's work around attention in two C calls (``qlayer.c``), or every layer in
+    one, when all four of its matrices are block-quantized: the kernels the family's layer over
+    ``arch.ops.FusedOps`` calls one by one, in the same order on the same values (the same bits),
+    without the calls' cost between them. The layer is the base one with what the families add:
+    Q/K/V bias, QK-norm, norms on the sublayers' outputs (``attn_out_norm``, ``mlp_out_norm``),
+    GELU-tanh, per-layer RoPE tables and windows."""
+
+    STATIC = ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm",
+              "k_norm", "attn_out_norm", "mlp_out_norm")
+    """A layer's weights, in ``qlayer.c``'s field order (``QL_IN_NORM`` ...)."""
 
     def __init__(self, lib, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int):
+                 intermediate: int, activation: str = "silu"):
         self.lib, self.eps = lib, eps
         self.nh, self.nkv, self.hd, self.inter = num_heads, num_kv_heads, head_dim, intermediate
-        self._table: torch.Tensor | None = None  # qg_layers' pointers, for one set of KV pools
-        self._table_key: tuple = ()
+        self.act = ACTIVATIONS.index(activation)
+        self._static: torch.Tensor | None = None  # the weights' columns of qg_layers' table
 
-    def _layer_table(self, layers: list[dict], kv_caches: list[tuple]) -> torch.Tensor:
-        """Each layer's norms, blocks, bias and K/V pools, as ``qg_layers`` reads them:
-        built once per set of pools (the tensors it points at live as long as the model)."""
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
-        if self._table is None or key != self._table_key:
-            rows = []
-            for layer, (kc, vc) in zip(layers, kv_caches):
-                qkv, o, gu, down, bias = (layer[n] for n in ("qkv", "o", "gate_up", "down", "qkv_bias"))
-                rows.append([layer["in_norm"].data_ptr(), layer["post_norm"].data_ptr(),
-                             qkv.packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                             o.packed.data_ptr(), gu.packed.data_ptr(), down.packed.data_ptr(),
-                             kc.data_ptr(), vc.data_ptr()])
-            assert len(rows[0]) == self.lib.qg_layer_fields()
-            self._table, self._table_key = torch.tensor(rows, dtype=torch.int64), key
-        return self._table
+    @staticmethod
+    def _ptr(v) -> int:
+        if v is None:
+            return 0
+        return (v.packed if isinstance(v, QuantWeight) else v).data_ptr()
+
+    def _layer_table(self, layers: list[dict], kv_caches: list[tuple], ropes: list,
+                     windows: list[int], metas: list, rows: int) -> tuple[torch.Tensor, list]:
+        """``qg_layers``' table: each layer's weights (built once), RoPE tables and window, and its
+        KV group's pools, slot mapping and attention rows for this step; with the tensors it
+        points at that live only as long as the step (kept alive by the caller)."""
+        if self._static is None:
+            self._static = torch.tensor([[self._ptr(layer.get(n)) for n in self.STATIC]
+                                         for layer in layers], dtype=torch.int64)
+        keep, per_meta = [], {}
+        dynamic = []
+        for (kc, vc), rope, window, meta in zip(kv_caches, ropes, windows, metas):
+            cols = per_meta.get(id(meta))
+            if cols is None:
+                plan, slots = meta.row_plan(rows), meta.slot_mapping.contiguous()
+                keep += [plan, slots]
+                cols = per_meta[id(meta)] = [slots.data_ptr(), slots.shape[0],
+                                             plan.tables.data_ptr(), plan.tables.shape[1],
+                                             plan.seq.data_ptr(), plan.pos.data_ptr()]
+            dynamic.append([rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0], window,
+                            kc.data_ptr(), vc.data_ptr(), kc.shape[0], *cols])
+        table = torch.cat([self._static, torch.tensor(dynamic, dtype=torch.int64)], 1).contiguous()
+        assert table.shape[1] == self.lib.qg_layer_fields()
+        return table, keep
 
     def all_layers(self, h: torch.Tensor, layers: list[dict], kv_caches: list[tuple],
-                   cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor, plan, scale: float) -> torch.Tensor:
-        """Every layer in one call (``qg_layers``: ``pre``, the C attention on ``plan``'s rows
-        (``attention.RowPlan``), ``post``, as the per-layer loop calls them): ``h`` updated in
-        place and returned."""
+                   ropes: list, windows: list[int], positions: torch.Tensor, metas: list,
+                   scale: float) -> torch.Tensor:
+        """Every layer in one call (``qg_layers``: ``pre``, the C attention on the layer's KV
+        group's rows (``attention.RowPlan``) and window, ``post``, as the per-layer loop calls
+        them): ``h`` updated in place and returned. ``metas``: each layer's attention metadata."""
         rows, dim = h.shape
         kc = kv_caches[0][0]
+        table, keep = self._layer_table(layers, kv_caches, ropes, windows, metas, rows)
         bad = self.lib.qg_layers(
-            h.data_ptr(), rows, dim, len(layers), self._layer_table(layers, kv_caches).data_ptr(),
-            self.eps, self.nh, self.nkv, self.hd, self.inter, cos.data_ptr(), sin.data_ptr(),
-            cos.shape[0], positions.data_ptr(), slots.data_ptr(), slots.shape[0],
-            kv_kind(kc), kc.shape[1], kc.shape[0], plan.tables.data_ptr(),
-            plan.tables.shape[1], plan.seq.data_ptr(), plan.pos.data_ptr(), scale,
+            h.data_ptr(), rows, dim, len(layers), table.data_ptr(), self.eps, self.nh, self.nkv,
+            self.hd, self.inter, self.act, positions.data_ptr(), kv_kind(kc), kc.shape[1], scale,
             torch.get_num_threads())
+        del keep
         check_attention(bad, f"{rows}-row layers' activations")
         if bad:
-            raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
+            raise IndexError(f"{bad} positions outside the model's RoPE positions")
         return h
 
-    def pre(self, h: torch.Tensor, pending: torch.Tensor | None, layer: dict, cos: torch.Tensor,
-            sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``h += pending``; RMSNorm, Q/K/V, RoPE, the K/V write: the queries [rows, nh, hd]."""
+    def pre(self, h: torch.Tensor, pending: torch.Tensor | None, layer: dict, rope,
+            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slots: torch.Tensor) -> torch.Tensor:
+        """``h += pending``; RMSNorm, Q/K/V, QK-norm, RoPE, the K/V write: the queries
+        [rows, nh, hd]."""
         rows, dim = h.shape
         q = torch.empty(rows, self.nh, self.hd, dtype=torch.float32)
-        w, bias = layer["qkv"], layer["qkv_bias"]
+        p = self._ptr
         bad = self.lib.qg_layer_pre(
-            h.data_ptr(), None if pending is None else pending.data_ptr(), layer["in_norm"].data_ptr(),
-            self.eps, rows, dim, w.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-            self.nh, self.nkv, self.hd, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-            positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            kv_kind(k_cache), slots.data_ptr(), slots.shape[0],
+            h.data_ptr(), p(pending), layer["in_norm"].data_ptr(), self.eps, rows, dim,
+            p(layer["qkv"]), p(layer["qkv_bias"]), p(layer.get("q_norm")), p(layer.get("k_norm")),
+            self.nh, self.nkv, self.hd, rope.cos.data_ptr(), rope.sin.data_ptr(),
+            rope.cos.shape[0], positions.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), kv_kind(k_cache), slots.data_ptr(), slots.shape[0],
             torch.get_num_threads())
         if bad < 0:
             raise MemoryError(f"no memory for a {rows}-row layer's activations")
         if bad:
-            raise IndexError(f"{bad} positions outside the model's {cos.shape[0]} RoPE positions")
+            raise IndexError(f"{bad} positions outside the model's {rope.cos.shape[0]} RoPE positions")
         return q
 
     def post(self, o: torch.Tensor, h: torch.Tensor, layer: dict) -> torch.Tensor:
-        """Output projection, ``h += attn``, RMSNorm and the MLP: the MLP's output [rows, dim]
-        (added to ``h`` by the next ``pre``)."""
+        """Output projection (and its norm), ``h += attn``, RMSNorm and the MLP (and its norm):
+        the MLP's output [rows, dim] (added to ``h`` by the next ``pre``)."""
         rows, dim = h.shape
         out = torch.empty(rows, dim, dtype=torch.float32)
-        wo, wgu, wd = layer["o"], layer["gate_up"], layer["down"]
-        if self.lib.qg_layer_post(o.data_ptr(), o.numel() // rows,
-                                  h.data_ptr(), layer["post_norm"].data_ptr(), self.eps, rows, dim,
-                                  wo.packed.data_ptr(), wgu.packed.data_ptr(), self.inter,
-                                  wd.packed.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        p = self._ptr
+        if self.lib.qg_layer_post(o.data_ptr(), o.numel() // rows, h.data_ptr(),
+                                  layer["post_norm"].data_ptr(), p(layer.get("attn_out_norm")),
+                                  p(layer.get("mlp_out_norm")), self.act, self.eps, rows, dim,
+                                  p(layer["o"]), p(layer["gate_up"]), self.inter, p(layer["down"]),
+                                  out.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"no memory for a {rows}-row layer's activations")
         return out

@@ -11,9 +11,10 @@ padding for batch invariance) is ``model/llama.py``'s, shared by every family; t
 families share (widths, heads, RoPE base, norm epsilon) are read by ``loader.py``.
 
 The base class is the Llama layer: pre-norm attention and a SwiGLU MLP, optional Q/K/V bias and
-QK-norm (present when the layer has ``q_norm``/``k_norm`` weights). A family whose layer is that
-exactly, without QK-norm, may run the C layer calls (``c_layers``: ``qlayer.c`` implements that
-layer and no other).
+QK-norm (present when the layer has ``q_norm``/``k_norm`` weights). The C layer calls
+(``qlayer.c``) compute that layer with what gemma3 adds (norms on the attention's and the MLP's
+outputs, GELU-tanh, per-layer RoPE and windows); a family whose layer differs otherwise sets
+``c_layers`` off.
 
 This module knows nothing about files, tokenizers or the KV cache's keys.
 """
@@ -65,7 +66,8 @@ class Family:
     permuted: frozenset[str] = frozenset()
     """Architectures whose Q/K rows llama.cpp's converter permuted (undone at load)."""
     c_layers = True
-    """The layer is the plain Llama layer: the C layer calls (``qlayer.c``) may run it."""
+    """The layer is one the C layer calls (``qlayer.c``) compute: the base layer, with optional
+    QK-norm, ``attn_out_norm``/``mlp_out_norm`` norms, either activation, windows."""
     activation = "silu"
     """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
     rope_scalings: frozenset[str] = frozenset()

@@ -59,7 +59,6 @@ class Gemma3(Family):
     norms = {"in_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
              "post_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm",
              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
-    c_layers = False
     activation = "gelu_tanh"
     rope_scalings = frozenset({"linear"})
 

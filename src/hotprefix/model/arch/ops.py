@@ -1,11 +1,12 @@
 """The shared operators a family's decoder layer is written with (``base.Family.layer``), in two
 implementations with one interface: torch ops (``TorchOps``), and the fused C kernels where they
-build (``FusedOps``: ``fused.c``'s RMSNorm, RoPE + K/V write and SiLU, ``attn.c``'s attention).
+build (``FusedOps``: ``fused.c``'s RMSNorm, QK-norm, RoPE + K/V write, SiLU and GELU-tanh, ``attn.c``'s
+attention).
 
 One object per forward pass: it holds the step's positions, slot mapping and attention metadata,
 so a layer only passes tensors. Each operator's arithmetic is row-local (or, for attention,
 depends only on a row's own position and keys), so cold == warm and batched == alone hold for every
-family; the two implementations' bits differ (fused RMSNorm and SiLU round differently), which the
+family; the two implementations' bits differ (fused RMSNorm, SiLU and GELU round differently), which the
 numerics tag says. The torch implementation keeps the Llama path's exact operations and order.
 
 - ``add_norm(h, delta, w)``: ``h += delta`` in place (skipped when None), then RMSNorm(h) * w;
@@ -121,17 +122,11 @@ class FusedOps(_Ops):
     def norm(self, x, w):
         return self.f.add_rms_norm(x.float().contiguous(), None, w)
 
-    def _head_norm(self, qkv, lo: int, heads: int, w) -> None:
-        """RMSNorm over each head of columns ``lo : lo + heads * hd`` of ``qkv``, in place."""
-        n, width = qkv.shape[0], heads * self.hd
-        part = qkv[:, lo:lo + width].reshape(n * heads, self.hd).contiguous()  # a view at 1 head
-        qkv[:, lo:lo + width] = self.f.add_rms_norm(part, None, w).view(n, width)
-
     def qkv_rope_write(self, qkv, w, rope, kv):
         qkv = qkv.float().contiguous()
         if "q_norm" in w:
-            self._head_norm(qkv, 0, self.nh, w["q_norm"])
-            self._head_norm(qkv, self.nh * self.hd, self.nkv, w["k_norm"])
+            self.f.head_rms_norm(qkv, 0, self.nh, w["q_norm"])
+            self.f.head_rms_norm(qkv, self.nh * self.hd, self.nkv, w["k_norm"])
         return self.f.rope_write_kv(qkv, rope.cos, rope.sin, self.positions, kv[0], kv[1],
                                     self.slots)
 
@@ -139,7 +134,4 @@ class FusedOps(_Ops):
         return self.m._attend(q, kv[0], kv[1], self.meta, self.n_real, window)
 
     def act_mul(self, gate_up, kind):
-        if kind == "silu":
-            return self.f.silu_mul(gate_up.float().contiguous())
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.f.act_mul(gate_up.float().contiguous(), kind)

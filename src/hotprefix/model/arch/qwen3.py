@@ -15,7 +15,6 @@ class Qwen3(Family):
     archs = ("qwen3",)
     tensors = {**LLAMA_TENSORS, **QK_NORM_TENSORS}
     norms = {**Family.norms, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
-    c_layers = False  # qlayer.c has no QK-norm
 
     def hf_fields(self, cfg, common, path):
         return {"attention_bias": bool(cfg.get("attention_bias", False))}
