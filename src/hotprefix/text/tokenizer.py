@@ -29,7 +29,6 @@ import shutil
 from typing import Any, Sequence
 
 import numpy as np
-from transformers.utils import logging as hf_logging
 
 from hotprefix.text import spm_vocab
 from hotprefix.files.atomic import atomic_path
@@ -43,6 +42,8 @@ class TokenizerError(ValueError):
 
 
 def _quiet_hf() -> None:
+    from transformers.utils import logging as hf_logging  # here: importing it takes ~0.5 s
+
     hf_logging.set_verbosity_error()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
