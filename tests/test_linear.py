@@ -74,3 +74,24 @@ def test_high_linear_falls_back_to_fp32_weights(monkeypatch):
 def test_attention_query_rows_floor():
     assert min_q_rows(torch.bfloat16) == MIN_Q_ROWS
     assert 1 <= min_q_rows(torch.float32) <= MIN_Q_ROWS
+
+
+def test_a_probe_is_remembered_per_machine(tmp_path, monkeypatch):
+    """A start-up probe runs once per torch build and CPU: the next call reads its answer; a
+    damaged entry runs it again; an unwritable cache directory still gives the answer."""
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return False
+
+    assert linear.remembered_probe("p", probe) is False
+    assert linear.remembered_probe("p", probe) is False and len(calls) == 1
+    (entry,) = (tmp_path / "probes").iterdir()
+    entry.write_text("garbage")
+    assert linear.remembered_probe("p", probe) is False and len(calls) == 2
+    assert entry.read_text() == "0"
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("not a directory")
+    assert linear.remembered_probe("p", lambda: True) is True

@@ -31,6 +31,7 @@ holds in each of them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from hotprefix.config.sections import WEIGHT_MODES  # noqa: F401  (re-exported)
+from hotprefix.files.atomic import write_atomic
+from hotprefix.files.cachedir import cache_dir
 from hotprefix.model.dtype_probe import cpu_flags
 from hotprefix.model.qlinear import fast_block_kernels
 
@@ -159,8 +162,29 @@ AVX-512 ones at none)."""
 def fp16_weights_available() -> bool:
     """Whether the mixed mode holds fp16 weights: this torch build has the fp16-weight GEMM
     (``fp16_gemm_exists``) and its rows keep their bits at every row count probed
-    (``fp16_rows_invariant``: cold == warm needs it; where it fails the weights are held in fp32)."""
-    return fp16_gemm_exists() and fp16_rows_invariant()
+    (``fp16_rows_invariant``: cold == warm needs it; where it fails the weights are held in fp32).
+    The row probe's answer is remembered per torch build and CPU (``remembered_probe``)."""
+    return fp16_gemm_exists() and remembered_probe("fp16-rows-invariant", fp16_rows_invariant)
+
+
+def remembered_probe(name: str, probe: Callable[[], bool]) -> bool:
+    """``probe()``, remembered under the cache directory per torch version, CPU flags and the
+    probe's row counts: a probe costs ~0.4 s of each start, and its answer depends on nothing
+    else. An entry that cannot be read or written is passed over (the probe runs)."""
+    key = "\0".join([name, torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                     " ".join(sorted(cpu_flags())), repr(FP16_PROBE_ROWS)])
+    path = cache_dir("probes") / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    try:
+        return {"1": True, "0": False}[path.read_text()]
+    except (OSError, KeyError):
+        pass
+    answer = probe()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, b"1" if answer else b"0", mode=0o644)
+    except OSError as e:
+        log.info("probe %s not remembered (%s)", name, e)
+    return answer
 
 
 @functools.cache
