@@ -303,8 +303,8 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
 def test_tiny_model_with_bias_and_mixed_block_types():
     """A model whose Q/K/V stack mixes Q4_0, Q4_1 and Q8_0 (groups of each format), with Q/K/V biases
     (Qwen2's), an untied Q8_0 LM head and a tied-free embedding: the two-call layers give the
-    per-kernel loop's bits, and the gguf forward computes what the mixed mode computes on the
-    dequantized weights."""
+    per-kernel loop's bits, and the gguf forward computes what the fp32 dense mode computes on the
+    dequantized weights. The untied embedding stays in its blocks, its rows read in fp32."""
     from hotprefix.model.attention import AttentionMetadata, PrefillSeq
     from hotprefix.model.llama import LlamaModel
     from hotprefix.model.loader import ModelArch
@@ -347,10 +347,13 @@ def test_tiny_model_with_bias_and_mixed_block_types():
     assert quant.weight_mode == "gguf" and quant.quant_layers is not None
     assert quant.layers[0]["qkv"].formats == (QF_Q4,) * 6 + (QF_Q8,) * 2
     assert set(quant.layers[0]["gate_up"].formats) == {QF_Q4}
+    assert isinstance(quant.embed, BlockRows) and quant.embed.weight is not quant.lm_head
+    assert "-emb32" in quant.numerics
+    assert torch.equal(quant.embed[torch.tensor([3, 95])], weights["model.embed_tokens.weight"][[3, 95]])
     fast = run(quant, ids)
     quant.quant_layers = None
     assert torch.equal(run(quant, ids), fast)
-    mixed = run(LlamaModel(arch, weights, cpu, torch.bfloat16, "mixed", True), ids)
+    mixed = run(LlamaModel(arch, weights, cpu, torch.float32, "dense", True), ids)  # fp32 reference
     assert fast.shape == (40, 96)
     tol = 2e-2 * mixed.abs().max()
     assert (fast - mixed).abs().max() < tol, (fast - mixed).abs().max()

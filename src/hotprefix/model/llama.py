@@ -139,16 +139,17 @@ class LlamaModel:
         """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
         one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
         makes the same calls (tests compare the two)."""
+        self._hold_weights(weights, _Packer(weights, blocks, qlib, pack, pack32, self.fp32_ops,
+                                            self.weight_mode == "gguf"))
         self.numerics = self._numerics_tag(high_tag, qlib)
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
         segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
-        the fused kernels ran the elementwise work (their RMSNorm and SiLU round differently), and
-        the ISA level the C kernels were built for (``isa``: every level gives the portable path's
+        the fused kernels ran the elementwise work (their RMSNorm, SiLU and GELU round
+        differently; ``fused-gelu``), whether the embedding's rows come in fp32 from the gguf
+        mode's blocks (``emb32``) rather than in the compute dtype, and the ISA level the C kernels were built for (``isa``: every level gives the portable path's
         bits, tested, but the torch operators around them may not, so levels do not share), and the
         KV pool's element type where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
-        self._hold_weights(weights, _Packer(weights, blocks, qlib, pack, pack32, self.fp32_ops,
-                                            self.weight_mode == "gguf"))
         self._layer_tables()
         self.quant_layers = self._quant_layers(qlib)
         """The gguf mode's two-call layers (``qlinear.QuantLayers``), or None."""
@@ -202,6 +203,7 @@ class LlamaModel:
         """The ``numerics`` tag (see there) of the modes and kernels chosen."""
         dtype, device = self.dtype, self.device
         high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
+                + ("-emb32" if isinstance(self.embed, BlockRows) else "")  # rows from the blocks
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention
                 else f"/attn-{str(self.attn_dtype).removeprefix('torch.')}-t{KV_TILE}")
@@ -233,7 +235,7 @@ class LlamaModel:
                        weights[head].to(device=device, dtype=torch.float32).contiguous())
         # a tied embedding is read from those rows: exact inputs to the fp32 residual stream
         self.embed = (self.head32 if arch.tie_word_embeddings and self.head32 is not None
-                      else self._take(weights, "model.embed_tokens.weight"))
+                      else self._embedding(weights, pk))
         self.norm = self._take(weights, "model.norm.weight", torch.float32)
         self.layers = []
         for i in range(arch.num_layers):
@@ -248,6 +250,20 @@ class LlamaModel:
                     [weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0
                 ).to(device=device, dtype=torch.float32 if "qkv" in self.fp32_ops else dtype)
             self.layers.append(layer)
+
+    def _embedding(self, weights: dict[str, torch.Tensor], pk: _Packer):
+        """An untied embedding: in the gguf mode its blocks, whose rows are dequantized to fp32
+        when read (``BlockRows``: the file's values, no fp32 or bf16 copy of the table: 768 MiB
+        of fp32 and 3 s of dequantizing for an 8B model's 128k x 4,096 at load); else the table
+        in the compute dtype."""
+        name = "model.embed_tokens.weight"
+        if pk.gguf and name in pk.blocks:
+            try:
+                return BlockRows(pk.qlib, QuantWeight([pk.blocks[name]],
+                                                      block_columns(*pk.blocks[name]), pk.qlib))
+            except PackError as e:
+                log.warning("%s: %s; dequantized", name, e)
+        return self._take(weights, name)
 
     def _layer_tables(self) -> None:
         """Sets each layer's RoPE tables and window, the embedding scale and the attention sizes."""
@@ -300,6 +316,8 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes of the weights as held for compute (the embedding table included)."""
         mats = [self.lm_head] if self.lm_head is not self.embed else []
+        if isinstance(self.embed, BlockRows) and self.embed.weight is not self.lm_head:
+            mats.append(self.embed.weight)  # an untied embedding's blocks
         if self.head32 is not None and self.head32 is not self.embed:
             mats.append(self.head32)
         for layer in self.layers:
