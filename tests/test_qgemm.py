@@ -283,7 +283,8 @@ def test_layer_calls_give_the_per_kernel_bits(real_llm):
     if model.quant_layers is None:
         pytest.skip("the default here is not the gguf mode")
     ids = real_llm.tokenizer.encode("The ferry to the outer islands leaves the harbour at seven, "
-                                    "unless the wind from the north is strong. " * 6)
+                                    "unless the wind from the north is strong. " * 40)
+    assert len(ids) > 512  # qg_layer_post runs the MLP in parts of 512 rows
     layers = model.quant_layers
     runs, tokens = [], []
     try:
@@ -362,3 +363,34 @@ def test_tiny_model_with_bias_and_mixed_block_types():
     for layer in quant.layers:
         layer["qkv_bias"] = torch.zeros_like(layer["qkv_bias"])
     assert (run(quant, ids) - fast).abs().max() > 2 * tol  # the biases weigh in: the check sees them
+
+
+def test_scratch_is_kept_per_thread_and_released():
+    """The kernels' scratch (``scratch.c``) is made on a thread's first call, reused by the next
+    call of the same size (no growth), kept per thread (another thread's calls leave it as is) and
+    freed on release; a product after the release is made again with the same result."""
+    import threading
+
+    _, raw, _ = make_blocks("Q4_1", 64, 256, seed=3)
+    w = QuantWeight([("Q4_1", raw)], 256, LIB)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+
+    def run() -> torch.Tensor:
+        y = torch.empty(40, 64)
+        assert LIB.qg_linear(w.packed.data_ptr(), 64, 256, x.data_ptr(), 40, y.data_ptr(), 2) == 0
+        return y
+
+    LIB.qg_scratch_release()
+    assert LIB.qg_scratch_bytes() == 0
+    first = run()
+    kept = LIB.qg_scratch_bytes()
+    assert kept >= 40 * 256 * 2
+    assert torch.equal(run(), first) and LIB.qg_scratch_bytes() == kept
+    seen = []
+    t = threading.Thread(target=lambda: (run(), seen.append(LIB.qg_scratch_bytes())))
+    t.start()
+    t.join()
+    assert seen == [kept] and LIB.qg_scratch_bytes() == kept
+    LIB.qg_scratch_release()
+    assert LIB.qg_scratch_bytes() == 0
+    assert torch.equal(run(), first)

@@ -54,10 +54,12 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f)
            for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qlayer.c", "qpack.c", "attn.c",
-                     "select.c")]
+                     "select.c", "scratch.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM, layer calls and
-weight packing (``qlinear.py``), attention, and the logits' top-k and argmax."""
-HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h")]
+weight packing (``qlinear.py``), attention, the logits' top-k and argmax, and the scratch buffers
+the kernels keep between calls."""
+HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h",
+                                                 "scratch.h")]
 """Included by the sources (the vector path each level compiles; the KV pool's element types;
 attention's per-chunk arithmetic): part of the build key."""
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -96,6 +98,8 @@ _SIGNATURES = {  # name -> (argument types, return type)
     "attn_paged": ([_P, _I, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _F, _P,
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
+    "qg_scratch_release": ([], None),
+    "qg_scratch_bytes": ([], _I),
     "select_top_k": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
     "select_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
     "qg_layers": ([_P, _I, _I, _I, _P, _F, _I, _I, _I, _I, ctypes.c_int, _P, ctypes.c_int, _I, _F,

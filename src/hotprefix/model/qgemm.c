@@ -40,6 +40,7 @@
 
 #include "isa.h"
 #include "qgemm_layout.h"
+#include "scratch.h"
 
 #ifdef HP_AVX2
 #define QG_ROWS 8        /* rows sharing one pass over a weight block (a row's sum: one register) */
@@ -526,7 +527,7 @@ int qg_amx_ready(void);
 int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
                   int threads);
 
-/* x [rows][k] fp32 -> y [rows][n]: the activations quantized (scratch from malloc), then the
+/* x [rows][k] fp32 -> y [rows][n]: the activations quantized (in kept scratch: scratch.h), then the
  * product. Returns -1 when the scratch cannot be allocated (y untouched), else 0. */
 int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
               int threads) {
@@ -541,12 +542,11 @@ int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t ro
         y += tiled * n;
         rows -= tiled;
     }
-    int16_t *qa = malloc((size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
+    int16_t *qa = hp_scratch(SCR_LINEAR, (size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
     qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
     qg_gemm(w, n, k, qa, sa, sq, rows, y, threads);
-    free(qa);
     return 0;
 }
 

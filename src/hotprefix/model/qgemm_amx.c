@@ -25,6 +25,7 @@
 
 #include "isa.h"
 #include "qgemm_layout.h"
+#include "scratch.h"
 
 #ifdef HP_AMX
 #include <omp.h>
@@ -252,7 +253,7 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     /* qa [rows][k], the activation tiles of padded rows (zero past rows), sa and sq [padded][nb]
      * (zero past rows) */
     const size_t bytes = (size_t)(rows * k) * 2 + 2 * (size_t)(padded * k) + 2 * (size_t)(padded * nb) * 4;
-    uint8_t *scratch = malloc(bytes);
+    uint8_t *scratch = hp_scratch(SCR_AMX, bytes);
     if (!scratch) return -1;
     int16_t *qa = (int16_t *)scratch;
     uint8_t *at = scratch + (size_t)(rows * k) * 2;
@@ -268,11 +269,8 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     /* each thread: one group's decoded tiles (Q6_K: two a block) and its blocks' scales */
     const int64_t per = 2 * nb * AMX_TILE + 2 * nb * 64;
     const int team = rows * n * k >= AMX_PAR_MIN ? threads : 1;
-    int8_t *decoded = aligned_alloc(64, (size_t)(team * per));
-    if (!decoded) {
-        free(scratch);
-        return -1;
-    }
+    int8_t *decoded = hp_scratch(SCR_AMX_DECODED, (size_t)(team * per));
+    if (!decoded) return -1;
 #pragma omp parallel num_threads(team)
     {
         int8_t *bt = decoded + omp_get_thread_num() * per;
@@ -295,8 +293,6 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
         }
         _tile_release();
     }
-    free(decoded);
-    free(scratch);
     return 0;
 }
 #else

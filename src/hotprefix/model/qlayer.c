@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "scratch.h"
+
 void add_rms_norm(float *h, const float *d, const float *w, float *out, int64_t rows, int64_t dim,
                   float eps, int threads);
 void head_rms_norm(float *x, int64_t rows, int64_t width, int64_t lo, int64_t heads, int64_t hd,
@@ -35,7 +37,7 @@ int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float ep
                      void *k_cache, void *v_cache, int kv, const int64_t *slots, int64_t n_slots,
                      int threads) {
     const int64_t width = (nh + 2 * nkv) * hd;
-    float *x = malloc((size_t)(rows * (dim + width)) * sizeof(float));
+    float *x = hp_scratch(SCR_LAYER_PRE, (size_t)(rows * (dim + width)) * sizeof(float));
     if (!x) return -1;
     float *qkv = x + rows * dim;
     add_rms_norm(h, pending, norm, x, rows, dim, eps, threads);
@@ -51,34 +53,39 @@ int64_t qg_layer_pre(float *h, const float *pending, const float *norm, float ep
         bad = rope_write_kv(qkv, rows, nh, nkv, hd, cos_t, sin_t, n_pos, pos, q_out, k_cache,
                             v_cache, kv, slots, n_slots, threads);
     }
-    free(x);
     return bad;
 }
 
+#define MLP_ROWS 512 /* rows whose gate/up and MLP input the scratch holds at once (row-local work) */
+
 /* attn = o W_o^T (then RMSNorm(attn) * attn_out_norm, when not NULL); h += attn;
  * x = RMSNorm(h) * norm; mlp_out = (act(x W_g^T) * x W_u^T) W_d^T (then RMSNorm(mlp_out) *
- * mlp_out_norm, when not NULL), the residual add of mlp_out left to the next layer's norm.
- * Returns -1 when scratch memory ran out, else 0. */
+ * mlp_out_norm, when not NULL), the residual add of mlp_out left to the next layer's norm. The MLP
+ * runs on MLP_ROWS rows at a time (every kernel is row-local: the same bits), so a long prefill's
+ * scratch holds the gate/up of those rows only. Returns -1 when scratch memory ran out, else 0. */
 int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm,
                   const float *attn_out_norm, const float *mlp_out_norm, int act, float eps,
                   int64_t rows, int64_t dim, const uint8_t *w_o, const uint8_t *w_gu, int64_t inter,
                   const uint8_t *w_down, float *mlp_out, int threads) {
-    float *attn = malloc((size_t)(rows * (2 * dim + 3 * inter)) * sizeof(float));
+    const int64_t part = rows < MLP_ROWS ? rows : MLP_ROWS;
+    float *attn = hp_scratch(SCR_LAYER_POST, (size_t)(2 * rows * dim + 3 * part * inter) * sizeof(float));
     if (!attn) return -1;
-    float *x = attn + rows * dim, *gu = x + rows * dim, *up = gu + rows * 2 * inter;
+    float *x = attn + rows * dim, *gu = x + rows * dim, *up = gu + part * 2 * inter;
     int err = qg_linear(w_o, dim, o_dim, o, rows, attn, threads);
     if (!err) {
         if (attn_out_norm) add_rms_norm(attn, NULL, attn_out_norm, attn, rows, dim, eps, threads);
         add_rms_norm(h, attn, norm, x, rows, dim, eps, threads);
-        err = qg_linear(w_gu, 2 * inter, dim, x, rows, gu, threads);
     }
-    if (!err) {
-        (act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(gu, up, rows, inter, threads);
-        err = qg_linear(w_down, dim, inter, up, rows, mlp_out, threads);
+    for (int64_t r = 0; r < rows && !err; r += part) {
+        const int64_t nr = rows - r < part ? rows - r : part;
+        err = qg_linear(w_gu, 2 * inter, dim, x + r * dim, nr, gu, threads);
+        if (!err) {
+            (act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(gu, up, nr, inter, threads);
+            err = qg_linear(w_down, dim, inter, up, nr, mlp_out + r * dim, threads);
+        }
     }
     if (!err && mlp_out_norm)
         add_rms_norm(mlp_out, NULL, mlp_out_norm, mlp_out, rows, dim, eps, threads);
-    free(attn);
     return err;
 }
 
@@ -118,7 +125,7 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
                               F(QL_ATTN_POS, const int64_t *), row[QL_WINDOW]))
             return -2;
     }
-    float *q = malloc((size_t)(rows * (2 * nh * hd + dim)) * sizeof(float));
+    float *q = hp_scratch(SCR_LAYERS, (size_t)(rows * (2 * nh * hd + dim)) * sizeof(float));
     if (!q) return -1;
     float *o = q + rows * nh * hd, *pending = o + rows * nh * hd;
     int64_t bad = 0;
@@ -144,6 +151,5 @@ int64_t qg_layers(float *h, int64_t rows, int64_t dim, int64_t layers, const int
     }
     if (!bad && layers > 0)
         for (int64_t i = 0; i < rows * dim; i++) h[i] = h[i] + pending[i];
-    free(q);
     return bad;
 }
