@@ -165,8 +165,8 @@ static inline __m512i tile_sum(const int32_t *c, int r) {
             const __m512 s = _mm512_cvtepi32_ps(tile_sum(C, r));                                  \
             const __m512 t = f == QF_K6                                                           \
                 ? _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_cvtepi32_ps(tile_sum(C2, r))))    \
-                : _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_set1_ps(sq[r * nb + (B)])));      \
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[r * nb + (B)]), t, acc[r]);                \
+                : _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_set1_ps(sq[(B) * AMX_ROWS + r]))); \
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[(B) * AMX_ROWS + r]), t, acc[r]);          \
         }                                                                                         \
     } while (0)
 
@@ -252,7 +252,7 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     const int64_t padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     /* qa [rows][k], the activation tiles of padded rows (zero past rows), sa and sq [padded][nb]
      * (zero past rows) */
-    const size_t bytes = (size_t)(rows * k) * 2 + 2 * (size_t)(padded * k) + 2 * (size_t)(padded * nb) * 4;
+    const size_t bytes = (size_t)(rows * k) * 2 + 2 * (size_t)(padded * k) + 4 * (size_t)(padded * nb) * 4;
     uint8_t *scratch = hp_scratch(SCR_AMX, bytes);
     if (!scratch) return -1;
     int16_t *qa = (int16_t *)scratch;
@@ -264,6 +264,15 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     memset(sq + rows * nb, 0, (size_t)((padded - rows) * nb) * 4);
     qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
     split_rows(qa, at, rows, k, threads);
+    /* the scales per tile of 16 rows, block-major: [tile][block][16 rows], the float steps' broadcasts
+     * then read one line a block */
+    float *st = sq + padded * nb, *qt = st + padded * nb;
+    for (int64_t r = 0; r < padded; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = ((r / AMX_ROWS) * nb + b) * AMX_ROWS + r % AMX_ROWS;
+            st[i] = sa[r * nb + b];
+            qt[i] = sq[r * nb + b];
+        }
     int64_t span;
     const int64_t spans = even_spans(padded, AMX_SPAN, AMX_ROWS, &span);
     /* each thread: one group's decoded tiles (Q6_K: two a block) and its blocks' scales */
@@ -286,8 +295,8 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
                 decode_group(wg, f, nb, bt, dv, mv);
                 for (int64_t r = r0; r < r1 && r < rows; r += AMX_ROWS) {
                     const int nr = rows - r < AMX_ROWS ? (int)(rows - r) : AMX_ROWS;
-                    tile_rows(bt, dv, mv, f, nb, at + (r / AMX_ROWS) * nb * AMX_ATILE, sa + r * nb,
-                              sq + r * nb, nr, y + r * n + g * QG_LANES, n, lanes);
+                    tile_rows(bt, dv, mv, f, nb, at + (r / AMX_ROWS) * nb * AMX_ATILE, st + r * nb,
+                              qt + r * nb, nr, y + r * n + g * QG_LANES, n, lanes);
                 }
             }
         }
