@@ -179,6 +179,7 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
                       int64_t ldy, int lanes) {
     int32_t cb[3][1024] __attribute__((aligned(64))); /* stored C tiles of three blocks in flight */
     __m512 acc[AMX_ROWS];
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
     if (f == QF_K6) { /* four C tiles a block: one set, stored before the next block's products */
         for (int64_t i = 0; i < nb + 2; i++) {
@@ -203,14 +204,10 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
             }
             if (i >= 2) EPILOGUE(i - 2, cb[i & 1], cb[i & 1] + 512);
         }
-    } else { /* two sets of C tiles, three stored blocks */
+    } else { /* two sets of C tiles, three stored blocks: block i's products are issued, block
+              * i - 2's float steps run, then block i - 1's sums are stored (its products had a
+              * whole step to finish) */
         for (int64_t i = 0; i < nb + 2; i++) {
-            if (i >= 1 && i - 1 < nb) { /* before the next products: the tile unit works in order */
-                if ((i - 1) & 1)
-                    STORE(T_C2, T_C3, cb[(i - 1) % 3]);
-                else
-                    STORE(T_C0, T_C1, cb[(i - 1) % 3]);
-            }
             if (i + AMX_AHEAD < nb) /* the activation tiles stream from L2: fetch them ahead */
                 for (int c = 0; c < AMX_ATILE; c += 64) _mm_prefetch((const char *)(at + (i + AMX_AHEAD) * AMX_ATILE + c), _MM_HINT_T0);
             if (i < nb) {
@@ -220,10 +217,19 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
                     ISSUE(i, T_C0, T_C1);
             }
             if (i >= 2) EPILOGUE(i - 2, cb[(i - 2) % 3], cb[0]);
+            if (i >= 1 && i - 1 < nb) {
+                if ((i - 1) & 1)
+                    STORE(T_C2, T_C3, cb[(i - 1) % 3]);
+                else
+                    STORE(T_C0, T_C1, cb[(i - 1) % 3]);
+            }
         }
     }
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
-    for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+    /* constant indices (unrolled, nr tested inside): acc stays in registers, not on the stack */
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < AMX_ROWS; r++)
+        if (r < nr) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
 /* qa [rows][k] -> the activation tiles: for each 16 rows and block b, AMX_ATILE bytes, the rows'
