@@ -77,13 +77,14 @@ def _reference(d: Path, kind: str):
     return cls.from_pretrained(str(d), torch_dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
+def write_gguf(hf_dir: Path, out: Path, quant: bool = False) -> Path:
     """The HF model as ``convert_hf_to_gguf.py`` writes it (fp32), with ``gguf``'s writer:
     qwen3: llama names plus ``attn_q_norm``/``attn_k_norm``, Q/K rows unpermuted; gemma3: its
     four norms a layer, every ``*norm.weight`` stored as ``1 + w``, the sliding window; qwen2:
     llama names plus the Q/K/V ``.bias``; mistral: a ``llama`` file, Q/K rows permuted as the
     converter's ``LlamaModel.permute``, ``rope.dimension_count``. No tokenizer (``vocab_size``
-    instead: the tests load the HF directory's)."""
+    instead: the tests load the HF directory's). ``quant``: the matrices (and the embedding) in
+    Q8_0 blocks, as ``llama-quantize`` would store them, so the ``gguf`` weight mode runs them."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -126,7 +127,12 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             t = t + np.float32(1.0)  # the converter's norm_shift
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             t = _permute(t, nh if ".attn_q." in name else nkv)
-        wr.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if quant and t.ndim == 2 and not name.endswith("norm.weight"):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            wr.add_tensor(name, gguf.quants.quantize(t, q8), raw_dtype=q8)
+        else:
+            wr.add_tensor(name, t)
 
     put("token_embd.weight", w["model.embed_tokens.weight"])
     for i in range(cfg["num_hidden_layers"]):
@@ -289,6 +295,38 @@ def _check_cold_equals_warm(family_case, prompts, fused: bool) -> None:
     assert cold.token_ids == warm.token_ids
     assert torch.equal(last_logits(True), last_logits(False))
     assert eng.cache.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize("family_case", ["qwen3", "gemma3"], indirect=True)
+def test_block_quantized_layers_run_in_one_call(family_case, prompts, tmp_path):
+    """The family's layer on Q8_0 blocks runs in the C layer calls (``qlayer.c``: qwen3's QK-norm;
+    gemma3's four norms, GELU-tanh, local RoPE and an 8-key window on the hybrid pool's KV groups):
+    every layer in one call, two calls a layer and the per-kernel loop give the same logits to the
+    bit; greedy tokens are the same cold and warm (past the window) and follow transformers'."""
+    from hotprefix.tools import quality
+
+    kind, d, ref, _ = family_case
+    path = write_gguf(d, tmp_path / f"tiny-{kind}-q8.gguf", quant=True)
+    llm = _llm(path, tokenizer=d, dtype="bfloat16", enable_prefix_caching=True)
+    model = llm.engine.runner.model
+    if model.quant_layers is None:
+        pytest.skip("the gguf mode's block kernels have no vector path on this CPU")
+    runs, layers = [], model.quant_layers
+    try:
+        for all_layers, quant in ((True, layers), (False, layers), (False, None)):
+            model.all_layers_call, model.quant_layers = all_layers, quant
+            runs.append(quality.all_position_logits(llm.engine.runner, prompts[0]))
+    finally:
+        model.all_layers_call, model.quant_layers = True, layers
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+    theirs = _theirs(ref, prompts[0])
+    assert (runs[0].argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+    prompt = prompts[1][:37] + prompts[2][:16]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    cold, warm = (llm.generate([prompt], greedy)[0] for _ in range(2))
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 48
+    assert cold.token_ids == warm.token_ids
+    assert llm.engine.cache.pool.num_in_use == 0
 
 
 # ------------------------------------------------------------------ llama.cpp's converter
