@@ -485,15 +485,17 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
          * value rows are loaded once for up to PV_VECS vectors. */
         int live[QB], nv[QB], nf[QB];
         const int nlive = live_vectors(j0, nq, g, rpos, rlo, k0, live, nf, nv);
-        float mn[QB], alpha[QB], p[QB][CH];
+        float mn[16] = {0}, alpha[16], mo[16] = {0}, p[QB][CH];
         __m512 sb[QB];
         for (int i = 0; i < nlive; i++) {
             const int b = live[i];
             const __mmask16 keep = (__mmask16)(((1u << nv[i]) - 1u) & ~((1u << nf[i]) - 1u));
             sb[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[b]);
-            mn[i] = fmaxf(m[j0 + b], _mm512_reduce_max_ps(sb[i]));
+            mo[i] = m[j0 + b];
+            mn[i] = fmaxf(mo[i], _mm512_reduce_max_ps(sb[i]));
         }
-        for (int i = 0; i < nlive; i++) alpha[i] = exp_le0(m[j0 + live[i]] - mn[i]);
+        /* every vector's alpha at once, a lane each (exp_le0_v: exp_le0's steps, lane by lane) */
+        _mm512_storeu_ps(alpha, exp_le0_v(_mm512_sub_ps(_mm512_loadu_ps(mo), _mm512_loadu_ps(mn))));
         for (int i = 0; i < nlive; i++)
             _mm512_storeu_ps(p[i], exp_le0_v(_mm512_sub_ps(sb[i], _mm512_set1_ps(mn[i]))));
         for (int i = 0; i < nlive; i++) {
