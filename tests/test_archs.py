@@ -297,18 +297,22 @@ def _check_cold_equals_warm(family_case, prompts, fused: bool) -> None:
     assert eng.cache.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("family_case", ["qwen3", "gemma3"], indirect=True)
-def test_block_quantized_layers_run_in_one_call(family_case, prompts, tmp_path):
+def test_block_quantized_layers_run_in_one_call(family_case, prompts, tmp_path, kv_dtype):
     """The family's layer on Q8_0 blocks runs in the C layer calls (``qlayer.c``: qwen3's QK-norm;
     gemma3's four norms, GELU-tanh, local RoPE and an 8-key window on the hybrid pool's KV groups):
     every layer in one call, two calls a layer and the per-kernel loop give the same logits to the
-    bit; greedy tokens are the same cold and warm (past the window) and follow transformers'."""
+    bit; greedy tokens are the same cold and warm (past the window) and follow transformers'. On
+    the default bf16 KV pool and on an int8 one (a scale per token and head)."""
     from hotprefix.tools import quality
 
     kind, d, ref, _ = family_case
     path = write_gguf(d, tmp_path / f"tiny-{kind}-q8.gguf", quant=True)
-    llm = _llm(path, tokenizer=d, dtype="bfloat16", enable_prefix_caching=True)
+    llm = _llm(path, tokenizer=d, dtype="bfloat16", enable_prefix_caching=True,
+               kv_cache_dtype=kv_dtype)
     model = llm.engine.runner.model
+    assert (llm.engine.runner.kv_caches[0][0].dtype == torch.int8) == (kv_dtype == "int8")
     if model.quant_layers is None:
         pytest.skip("the gguf mode's block kernels have no vector path on this CPU")
     runs, layers = [], model.quant_layers
