@@ -8,11 +8,9 @@ know nothing about text.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -94,20 +92,6 @@ class RequestOutput:
         return sum(len(c.token_ids) for c in self.outputs)
 
 
-def _background(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
-    """``fn(*args, **kwargs)`` on a new daemon thread; its result (or exception) in the future."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # handed to the caller's result()
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="hotprefix-tokenizer-load", daemon=True).start()
-    return future
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.config = config
@@ -121,14 +105,10 @@ class LLMEngine:
                               "positions (its RoPE table); lower it")
         self.model_name = loaded.name
         self.model_path = loaded.path
-        # the tokenizer (Python: importing transformers, reading the vocabulary) loads on a thread
-        # while the weights are packed (C, which releases the GIL): about a second off the start
-        pending = None if tokenizer is not None else _background(
-            Tokenizer.load, config.model.tokenizer or loaded.tokenizer_source,
-            chat_template=config.model.chat_template)
-        self.runner = ModelRunner(loaded, config.model, config.cache)
-        self.tokenizer = tokenizer or pending.result()  # its error, if any, is raised here
+        self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source,
+                                                     chat_template=config.model.chat_template)
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
+        self.runner = ModelRunner(loaded, config.model, config.cache)
         self.model_fingerprint = loaded.fingerprint  # a GGUF's is hashed while the runner packs
         del loaded
         cc = config.cache
