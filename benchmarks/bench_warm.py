@@ -8,7 +8,8 @@ to reuse, a prompt of about the same number of new tokens). Each request is time
 in one process, on the offline engine (no HTTP):
 
 * render: the chat template (``Tokenizer.render_chat``);
-* tokenize: the rendered text to ids (``Tokenizer.encode``);
+* tokenize: the rendered text to ids (``Tokenizer.encode`` with a scope, as ``LLM.chat`` and the
+  server call it: a prefix the scope's earlier prompts tokenized is not tokenized again);
 * hash + lookup: the scheduler's step (block hashes, the prefix cache lookup, allocation);
 * tail prefill + first token: the forward pass over the uncached tokens and the sampling;
 * the rest of the engine step (outputs, bookkeeping).
@@ -71,7 +72,7 @@ class StageTimer:
         t0 = time.perf_counter()
         text = self.tok.render_chat(messages)
         t1 = time.perf_counter()
-        ids = self.tok.encode(text, add_special_tokens=False)
+        ids = self.tok.encode(text, add_special_tokens=False, scope="")  # as LLM.chat and the server
         t2 = time.perf_counter()
         rid = self.engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0)).request_id
         out = None

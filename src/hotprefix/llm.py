@@ -152,7 +152,9 @@ class LLM:
             native = self.tokenizer.renders_tools
             convs = [T.render_messages(list(c), functions, native) for c in convs]  # type: ignore[arg-type]
             template_tools = [f.raw for f in functions] if native and functions else None
-        prompts = [self.tokenizer.encode_chat(m, tools=template_tools) for m in convs]  # type: ignore[arg-type]
+        # tokenized from the prefixes earlier chats with this salt tokenized (Tokenizer.encode)
+        prompts = [self.tokenizer.encode_chat(m, tools=template_tools, scope=cache_salt or "")  # type: ignore[arg-type]
+                   for m in convs]
         outs = self.generate(prompts, _one_of(params, sampling_params), cache_salt, use_tqdm,
                              **request_options)
         for out, conv in zip(outs, convs):

@@ -240,10 +240,12 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, tools: list[dict[str, Any]] | None = None,
+                  scope: str | None = None) -> list[int]:
     """Token ids of a conversation; a final assistant message is continued, not closed.
-    ``tools``: for a template that renders them (``Tokenizer.renders_tools``)."""
+    ``tools``: for a template that renders them (``Tokenizer.renders_tools``); ``scope``: the
+    tokenizer's prefix-cache scope (``Tokenizer.encode``)."""
     if prompt.prefill is None:
-        return tokenizer.encode_chat(prompt.messages, tools=tools)
+        return tokenizer.encode_chat(prompt.messages, tools=tools, scope=scope)
     text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True, tools=tools) + prompt.prefill
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False, scope=scope)

@@ -32,7 +32,7 @@ from hotprefix.server.fleet_seq import fleet_seq
 from hotprefix.server.message_ends import NO_ENDS, MessageEnds, message_ends
 from hotprefix.server.state import ServerState
 from hotprefix.server.streaming import LogprobView, collect, stream_response
-from hotprefix.server.tenants import Tenant
+from hotprefix.server.tenants import Tenant, token_scope
 from hotprefix.text.tokenizer import TokenizerError
 
 request_log = logging.getLogger("hotprefix.requests")
@@ -145,11 +145,12 @@ async def chat_prompt(state: ServerState, messages: list[P.ChatMessage], param: 
 
 async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage] | list[dict[str, Any]],
                                param: str = "messages", functions: list[T.Function] | None = None,
-                               ends: bool = True, add_generation_prompt: bool = True
-                               ) -> tuple[list[int], MessageEnds]:
+                               ends: bool = True, add_generation_prompt: bool = True,
+                               tenant: Tenant | None = None) -> tuple[list[int], MessageEnds]:
     """``chat_prompt``'s token ids and, with ``ends``, where its messages end
     (``message_ends``: empty unless the pool is hybrid). ``messages``: the request's, or chat
-    message dicts already (``P.message_dicts``' shape)."""
+    message dicts already (``P.message_dicts``' shape). ``tenant``: tokenize from the prefixes
+    this tenant's earlier prompts tokenized (``Tokenizer.encode``'s scope); None: no cache."""
     if not messages:
         raise P.APIError(400, "messages must contain at least one message.", param=param)
     dicts = [dict(m) for m in messages] if isinstance(messages[0], dict) else \
@@ -161,7 +162,8 @@ async def chat_prompt_and_ends(state: ServerState, messages: list[P.ChatMessage]
         tools = [f.raw for f in functions] if native and functions else None
     check_fits(state, [str(m.get("content") or "") for m in dicts] + [json.dumps(tools or "")], param)
     try:
-        ids = await state.encode(state.tokenizer.encode_chat, dicts, add_generation_prompt, tools)
+        ids = await state.encode(state.tokenizer.encode_chat, dicts, add_generation_prompt, tools,
+                                 token_scope(tenant))
     except TokenizerError as e:
         raise P.APIError(400, str(e), param=param) from None
     if not ids:
@@ -318,7 +320,8 @@ async def completions(body: P.CompletionRequest, request: Request,
 async def chat_completions(body: P.ChatCompletionRequest, request: Request,
                            tenant: Tenant = Depends(tenant_dep), state: ServerState = Depends(get_state)):
     constraint = check_request(state, body)
-    ids, ends = await chat_prompt_and_ends(state, body.messages, functions=constraint.offered)
+    ids, ends = await chat_prompt_and_ends(state, body.messages, functions=constraint.offered,
+                                           tenant=tenant)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # chat: until the model stops or the context is full
         max_tokens = max(1, state.max_model_len - len(ids))

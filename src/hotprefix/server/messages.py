@@ -40,7 +40,7 @@ from hotprefix.server.generate import (CLIENT_CLOSED, CacheHints, cache_header, 
 from hotprefix.server.message_ends import NO_ENDS, message_ends
 from hotprefix.server.protocol import APIError
 from hotprefix.server.state import ServerState
-from hotprefix.server.tenants import Tenant
+from hotprefix.server.tenants import Tenant, token_scope
 from hotprefix.text.tokenizer import TokenizerError
 
 ROUTE = "messages"
@@ -88,7 +88,8 @@ def with_tools(state: ServerState, prompt: A.Prompt, functions: list[T.Function]
 
 
 async def prompt_and_hints(state: ServerState, conv: A.Conversation,
-                           functions: list[T.Function] = ()) -> tuple[list[int], CacheHints]:
+                           functions: list[T.Function] = (), scope: str | None = None
+                           ) -> tuple[list[int], CacheHints]:
     """The prompt's token ids, its breakpoints as ``(end token, ttl_s)`` pins and, on a hybrid
     pool, where its messages end (``server/message_ends.py``).
 
@@ -101,7 +102,7 @@ async def prompt_and_hints(state: ServerState, conv: A.Conversation,
     texts = [str(m.get("content") or "") for m in prompt.messages] + [prompt.prefill or ""]
     check_fits(state, texts + [json.dumps(tools or "")], "messages")
     try:
-        ids = await state.encode(encode_prompt, state.tokenizer, prompt, tools)
+        ids = await state.encode(encode_prompt, state.tokenizer, prompt, tools, scope)
         breakpoints = []
         for cut, ttl in conv.breakpoints:
             cut_ids = await state.encode(encode_prompt, state.tokenizer, with_tools(state, cut, functions),
@@ -168,7 +169,8 @@ async def messages(body: A.MessagesRequest, request: Request,
     if bad:
         raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
     constraint = AT.constraint(body.tools, body.tool_choice, state.tool_format)
-    ids, hints = await prompt_and_hints(state, A.conversation(body), constraint.offered)
+    ids, hints = await prompt_and_hints(state, A.conversation(body), constraint.offered,
+                                        token_scope(tenant))
     params = sampling(body)
     if constraint.spec is not None:  # compiled now: a bad schema is this request's 400
         constraint = await C.compile_for(state.engine, constraint, tenant.salt)

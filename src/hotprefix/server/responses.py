@@ -88,7 +88,8 @@ def _resent(store: ResponseStore, owner: str, items: list[dict[str, Any]]) -> tu
 
 
 async def build_prompt(state: ServerState, body: R.ResponsesRequest, owner: str,
-                       constraint: C.Constraint, tools: list[dict[str, Any]] | None) -> Prompt:
+                       constraint: C.Constraint, tools: list[dict[str, Any]] | None,
+                       tenant: Tenant | None = None) -> Prompt:
     store: ResponseStore = state.responses
     native = state.tokenizer.renders_tools
     prev, new_items = None, body.input
@@ -130,7 +131,8 @@ async def build_prompt(state: ServerState, body: R.ResponsesRequest, owner: str,
     msgs = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     if not msgs:
         raise APIError(400, "input must contain at least one item.", param="input")
-    ids, _ = await chat_prompt_and_ends(state, msgs, "input", constraint.offered, ends=False)
+    ids, _ = await chat_prompt_and_ends(state, msgs, "input", constraint.offered, ends=False,
+                                        tenant=tenant)
     return Prompt(ids, conversation, how)
 
 
@@ -171,7 +173,7 @@ async def create(body: R.ResponsesRequest, request: Request, tenant: Tenant = De
     except R.ItemError as e:
         raise APIError(400, str(e), param=e.param) from None
     constraint = C.from_parts(rf, tools, choice, body.parallel_tool_calls, state.tool_format)
-    prompt = await build_prompt(state, body, owner, constraint, tools)
+    prompt = await build_prompt(state, body, owner, constraint, tools, tenant)
     params = sampling(body, body.max_output_tokens or max(1, state.max_model_len - len(prompt.ids)))
     if constraint.spec is not None:
         constraint = await C.compile_for(state.engine, constraint, tenant.salt)

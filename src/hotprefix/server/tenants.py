@@ -83,6 +83,15 @@ class Tenant:
         return tenant_tag(self.name)
 
 
+def token_scope(tenant: Tenant | None) -> str | None:
+    """The tokenizer's prefix-cache scope for a caller (``Tokenizer.encode``): its tenant's salt, so
+    one tenant's prompts never make another's tokenization faster; ``""`` on a single-tenant server
+    (and for the admin key, a scope of its own); None (no cache) where no caller is known."""
+    if tenant is None:
+        return None
+    return tenant.salt or ""
+
+
 class TenantRegistry:
     """Resolves API keys. ``enabled`` is False when there is no key file (single tenant)."""
 

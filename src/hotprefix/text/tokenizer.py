@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hotprefix.text import spm_vocab
+from hotprefix.text.prefix_tokens import PrefixTokens, splits_at_specials
 from hotprefix.files.atomic import atomic_path
 from hotprefix.files.cachedir import cache_dir
 
@@ -49,6 +50,9 @@ def _quiet_hf() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+PREFIX_MAX_SPECIALS = 16
+"""Most special tokens a remembered prefix may end at (each one probed at load)."""
 
 END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<|end|>", "<end_of_turn>")
 """Tokens that end generation beside the file's EOS wherever the vocabulary has them (llama.cpp's
@@ -190,6 +194,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._strips_space_prefix = bool(getattr(hf_tokenizer, "hotprefix_strips_space_prefix", False))
         self.fingerprint = self._fingerprint()
+        self._prefixes = self._prefix_cache()
+        """Ids of remembered prefixes per scope (``prefix_tokens``), or None where the
+        tokenizer's ids do not split at its special tokens."""
         self.max_token_bytes = getattr(hf_tokenizer, "hotprefix_max_token_bytes", None) or max(
             (len(piece.encode("utf-8", "surrogatepass")) for piece in hf_tokenizer.get_vocab()),
             default=1)
@@ -257,8 +264,40 @@ class Tokenizer:
         return self._tok
 
     # ------------------------------------------------------------------ encode / decode
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, scope: str | None = None) -> list[int]:
+        """The text's ids. ``scope`` (a tenant's salt; ``""`` for a single user): start from a
+        prefix this scope's earlier texts tokenized (``prefix_tokens``: the same ids, only the
+        new text is tokenized); None: no cache."""
+        if scope is not None and self._prefixes is not None:
+            return self._prefixes.encode(text, add_special_tokens, scope)
+        return self._encode(text, add_special_tokens)
+
+    @property
+    def prefix_hits(self) -> int:
+        """Encodes that started from a remembered prefix (``encode``'s ``scope``); 0 without the
+        cache."""
+        return self._prefixes.hits if self._prefixes is not None else 0
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def _prefix_cache(self) -> PrefixTokens | None:
+        """The prefix cache over this tokenizer's special tokens, where its ids split at them
+        (``prefix_tokens.splits_at_specials``), else None."""
+        added = getattr(self._tok, "added_tokens_decoder", None) or {}
+        specials = {str(t): int(i) for i, t in added.items()
+                    if getattr(t, "special", False) and str(t)}
+        # the boundaries: the special tokens the chat template writes (turn markers), and the
+        # end-of-turn names; each one checked (a vocabulary may hold thousands of unused ones)
+        template = self.chat_template or ""
+        wanted = {s: i for s, i in specials.items() if s in template or s in END_OF_TURN_NAMES}
+        wanted = dict(list(wanted.items())[:PREFIX_MAX_SPECIALS])
+        try:
+            if not wanted or not splits_at_specials(self._encode, list(wanted)):
+                return None
+        except Exception:  # a tokenizer that cannot encode the probes: no cache
+            return None
+        return PrefixTokens(self._encode, wanted)
 
     def add_specials(self, token_ids: Sequence[int]) -> list[int]:
         """``token_ids`` inside the special tokens this tokenizer's ``encode`` puts around a text
@@ -311,10 +350,11 @@ class Tokenizer:
             raise TokenizerError(f"could not apply the chat template: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, scope: str | None = None) -> list[int]:
+        """The rendered conversation's ids (``scope``: as ``encode``'s)."""
         # The template already contains any BOS/special tokens it wants.
         return self.encode(self.render_chat(messages, add_generation_prompt, tools),
-                           add_special_tokens=False)
+                           add_special_tokens=False, scope=scope)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
