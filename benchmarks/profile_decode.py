@@ -67,7 +67,7 @@ def time_c_kernels(model) -> tuple[dict, dict]:
     calls: dict[str, int] = collections.defaultdict(int)
     fused = model.fused
     if fused is not None:
-        for name in ("add_rms_norm", "rope_write_kv", "silu_mul", "gather_widen_kv"):
+        for name in ("add_rms_norm", "head_rms_norm", "rope_write_kv", "act_mul", "gather_widen_kv"):
             setattr(fused, name, _timed(getattr(fused, name), seconds, calls, FUSED))
         model.scratch.widen = fused.gather_widen_kv  # the attention's gathers hold the method
         fused.attention = _timed(fused.attention, seconds, calls, CATTN)

@@ -136,7 +136,7 @@ def _exp_numpy(x: np.ndarray) -> np.ndarray:
 
 
 def _act_mul_numpy(kind: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """``fused.c``'s silu_mul / gelu_tanh_mul transcribed in numpy float32."""
+    """``fused.c``'s act_mul (SiLU, GELU-tanh) transcribed in numpy float32."""
     f = np.float32
     with np.errstate(over="ignore", invalid="ignore"):
         if kind == "silu":
@@ -149,7 +149,7 @@ def _act_mul_numpy(kind: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("level", [lv.name for lv in isa.LEVELS])
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
 def test_act_mul_gives_its_sources_bits(level, kind):
-    """At every level (the portable one included), silu_mul and gelu_tanh_mul are their C
+    """At every level (the portable one included), act_mul's SiLU and GELU-tanh are their C
     source's arithmetic to the bit, whether the compiler vectorized the loop or not: the gate
     across exp's whole range and its clamps, subnormals, zeros and infinities (NaN compared as
     NaN); and GELU-tanh within 1e-6 (relative to max(1, |x|)) of torch's."""

@@ -137,7 +137,7 @@ int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, i
 
 /* exp(x) by Cody-Waite range reduction and a degree-5 polynomial (Cephes expf): about 1 ulp,
  * plain IEEE operations only, so it vectorizes and gives the same bits everywhere. x is clamped
- * to [lo, hi] (EXP_LO, EXP_HI: see silu_mul). */
+ * to [lo, hi] (EXP_LO, EXP_HI: see act_mul). */
 #define EXP_HI 88.3762626647949f
 #define EXP_LO -87.3365447504019f
 static inline float exp_poly(float x, float hi, float lo) {
@@ -162,40 +162,33 @@ static inline float exp_poly(float x, float hi, float lo) {
     return y * p;
 }
 
-/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = silu(gate) * up.
+/* GELU-tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) with tanh(y) = 1 - 2 / (e^2y + 1)
+ * and exp_poly: plain IEEE operations, so the same bits on every CPU and level (torch's GELU, on
+ * SLEEF's tanh, rounds otherwise: the numerics tag says which ran). */
+static inline float gelu_tanh(float x, float hi, float lo) {
+    float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    float t = 1.0f - 2.0f / (exp_poly(2.0f * y, hi, lo) + 1.0f);
+    return (0.5f * x) * (1.0f + t);
+}
+
+/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = act(gate) * up, act 0: SiLU
+ * (g / (1 + e^-g)), 1: GELU-tanh (Gemma's GeGLU) (qlinear.ACTIVATIONS' order).
  * exp's clamps are read through a volatile: with them as constants the compiler splits the loop
  * body into the two clamped paths (folded to constants) and the polynomial's, and, as FP
  * operations may trap (-ftrapping-math, the default), no longer vectorizes it: 7 ns a value on
  * one thread, against 1 vectorized for AVX2 and 2 for x86-64-v2, with the same bits (every gate's
- * bit pattern checked against the unvectorized build). */
-void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads) {
+ * bit pattern checked against the unvectorized build). One loop per activation: each vectorizes. */
+void act_mul(const float *gu, float *out, int64_t rows, int64_t inter, int act, int threads) {
     volatile float clamp_hi = EXP_HI, clamp_lo = EXP_LO;
     const float hi = clamp_hi, lo = clamp_lo;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i], hi, lo)) * u[i];
-    }
-}
-
-/* gu [rows, 2 inter] (gate then up) -> out [rows, inter] = gelu_tanh(gate) * up, where
- * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (GeGLU: Gemma's MLP) and
- * tanh(y) = 1 - 2 / (exp(2 y) + 1) with silu_mul's exp: the same bits on every CPU and level
- * (torch's GELU, on SLEEF's tanh, rounds otherwise: the numerics tag says which ran). */
-void gelu_tanh_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads) {
-    volatile float clamp_hi = EXP_HI, clamp_lo = EXP_LO;
-    const float hi = clamp_hi, lo = clamp_lo;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PAR_MIN_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            float x = g[i];
-            float y = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
-            float t = 1.0f - 2.0f / (exp_poly(2.0f * y, hi, lo) + 1.0f);
-            o[i] = ((0.5f * x) * (1.0f + t)) * u[i];
-        }
+        if (act == 1)
+            for (int64_t i = 0; i < inter; i++) o[i] = gelu_tanh(g[i], hi, lo) * u[i];
+        else
+            for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i], hi, lo)) * u[i];
     }
 }
 

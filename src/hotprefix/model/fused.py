@@ -8,7 +8,7 @@ and a pass over memory, against four GEMMs. Four kernels replace them:
 - ``rope_write_kv``: RoPE on queries and keys, the K/V rounding to the pool's element type (bf16,
   fp32, or int8 with a scale per token and KV head: ``kv_dtype.py``) and the write through the slot
   mapping;
-- ``silu_mul``, ``gelu_tanh_mul``: SiLU(gate) * up, GELU-tanh(gate) * up (``act_mul``);
+- ``act_mul``: SiLU(gate) * up or GELU-tanh(gate) * up;
 - ``head_rms_norm``: QK-norm, each head's RMSNorm in place;
 - ``gather_widen_kv``: a sequence's K and V blocks read from a bf16 or int8 pool into fp32 for
   attention.
@@ -76,13 +76,15 @@ the numerics tag too."""
 MAX_HEAD_DIM = 512
 """Largest head size ``rope_write_kv`` takes (its per-head scratch is on the stack)."""
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activations ``act_mul`` (``fused.c``) computes, by its code (0, 1)."""
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name -> (argument types, return type)
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
     "rope_write_kv": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_int, _P, _I,
                        ctypes.c_int], _I),
-    "silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
-    "gelu_tanh_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "act_mul": ([_P, _P, _I, _I, ctypes.c_int, ctypes.c_int], None),
     "head_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F, ctypes.c_int], None),
     "gather_widen_kv": ([_P, _P, ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "qg_quantize_rows": ([_P, _P, _P, _P, _I, _I, ctypes.c_int], None),
@@ -232,8 +234,8 @@ class FusedOps:
         ``gelu_tanh`` (GeGLU)."""
         n, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(n, inter, dtype=torch.float32)
-        fn = {"silu": self.lib.silu_mul, "gelu_tanh": self.lib.gelu_tanh_mul}[kind]
-        fn(gate_up.data_ptr(), out.data_ptr(), n, inter, self.threads())
+        self.lib.act_mul(gate_up.data_ptr(), out.data_ptr(), n, inter, ACTIVATIONS.index(kind),
+                         self.threads())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

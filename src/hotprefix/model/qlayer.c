@@ -19,12 +19,9 @@ int64_t rope_write_kv(const float *qkv, int64_t rows, int64_t nh, int64_t nkv, i
                       const float *cos_t, const float *sin_t, int64_t n_pos, const int64_t *pos,
                       float *q_out, void *k_cache, void *v_cache, int kv, const int64_t *slots,
                       int64_t n_slots, int threads);
-void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads);
-void gelu_tanh_mul(const float *gu, float *out, int64_t rows, int64_t inter, int threads);
+void act_mul(const float *gu, float *out, int64_t rows, int64_t inter, int act, int threads);
 int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
               int threads);
-
-enum { ACT_SILU, ACT_GELU_TANH }; /* the gated MLP's activation (qg_layer_post's act) */
 
 /* h += pending (when not NULL); x = RMSNorm(h) * norm; qkv = x W^T (+ bias); QK-norm (each
  * head of q and k, when q_norm is not NULL); RoPE on q and k, k and v written to the pools at
@@ -80,7 +77,7 @@ int qg_layer_post(const float *o, int64_t o_dim, float *h, const float *norm,
         const int64_t nr = rows - r < part ? rows - r : part;
         err = qg_linear(w_gu, 2 * inter, dim, x + r * dim, nr, gu, threads);
         if (!err) {
-            (act == ACT_GELU_TANH ? gelu_tanh_mul : silu_mul)(gu, up, nr, inter, threads);
+            act_mul(gu, up, nr, inter, act, threads); /* act: 0 SiLU, 1 GELU-tanh */
             err = qg_linear(w_down, dim, inter, up, nr, mlp_out + r * dim, threads);
         }
     }

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hotprefix.model.isa import requested_level
-from hotprefix.model.fused import check_attention, kv_kind
+from hotprefix.model.fused import ACTIVATIONS, check_attention, kv_kind
 from hotprefix.model.gguf_blocks import (BLOCK, BLOCK_BYTES, GGUF_TYPES, LANES,  # noqa: F401
                                          block_columns, block_rows, pack_weight, unpack_weight)
 
@@ -133,10 +133,6 @@ def fast_block_kernels() -> bool:
     VNNI) runs the block GEMM's vector path; elsewhere the portable C path gives the same bits,
     too slowly to be a default."""
     return requested_level().fast_gemm
-
-
-ACTIVATIONS = ("silu", "gelu_tanh")
-"""The gated MLP's activations ``qlayer.c`` computes, by its code (``ACT_SILU``, ``ACT_GELU_TANH``)."""
 
 
 class QuantLayers:
