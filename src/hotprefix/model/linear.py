@@ -164,15 +164,16 @@ def fp16_weights_available() -> bool:
     (``fp16_gemm_exists``) and its rows keep their bits at every row count probed
     (``fp16_rows_invariant``: cold == warm needs it; where it fails the weights are held in fp32).
     The row probe's answer is remembered per torch build and CPU (``remembered_probe``)."""
-    return fp16_gemm_exists() and remembered_probe("fp16-rows-invariant", fp16_rows_invariant)
+    return fp16_gemm_exists() and remembered_probe("fp16-rows-invariant", fp16_rows_invariant,
+                                                   FP16_PROBE_ROWS)
 
 
-def remembered_probe(name: str, probe: Callable[[], bool]) -> bool:
-    """``probe()``, remembered under the cache directory per torch version, CPU flags and the
-    probe's row counts: a probe costs ~0.4 s of each start, and its answer depends on nothing
-    else. An entry that cannot be read or written is passed over (the probe runs)."""
+def remembered_probe(name: str, probe: Callable[[], bool], depends: object = None) -> bool:
+    """``probe()``, remembered under the cache directory per torch version, CPU flags and
+    ``depends`` (what else its answer depends on): a probe costs ~0.4 s of each start. An entry
+    that cannot be read or written is passed over (the probe runs)."""
     key = "\0".join([name, torch.__version__, torch.backends.cpu.get_cpu_capability(),
-                     " ".join(sorted(cpu_flags())), repr(FP16_PROBE_ROWS)])
+                     " ".join(sorted(cpu_flags())), repr(depends)])
     path = cache_dir("probes") / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     try:
         return {"1": True, "0": False}[path.read_text()]

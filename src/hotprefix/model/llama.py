@@ -148,9 +148,10 @@ class LlamaModel:
         segment, or torch's in a dtype and key tile, ``KV_TILE``: a row's key count), whether
         the fused kernels ran the elementwise work (their RMSNorm, SiLU and GELU round
         differently; ``fused-gelu``), whether the embedding's rows come in fp32 from the gguf
-        mode's blocks (``emb32``) rather than in the compute dtype, and the ISA level the C kernels were built for (``isa``: every level gives the portable path's
-        bits, tested, but the torch operators around them may not, so levels do not share), and the
-        KV pool's element type where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
+        mode's blocks (``emb32``) rather than in the compute dtype, the ISA level the C kernels
+        were built for (``isa``: every level gives the portable path's bits, tested, but the torch
+        operators around them may not, so levels do not share), and the KV pool's element type
+        where it is not the compute dtype's (``kv-bf16``, ``kv-int8``)."""
         self._layer_tables()
         self.quant_layers = self._quant_layers(qlib)
         """The gguf mode's two-call layers (``qlinear.QuantLayers``), or None."""

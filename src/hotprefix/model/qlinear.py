@@ -145,14 +145,19 @@ class QuantLayers:
 
     STATIC = ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm",
               "k_norm", "attn_out_norm", "mlp_out_norm")
-    """A layer's weights, in ``qlayer.c``'s field order (``QL_IN_NORM`` ...)."""
+    """A layer's weights, in ``qlayer.c``'s field order (``QL_IN_NORM`` ...); its RoPE tables,
+    window and pools follow, then ``STEP_FIELDS``."""
+    STEP_FIELDS = 6
+    """The last fields of a layer's row, its KV group's per-step ones: slot mapping and its length,
+    block tables and their stride, the rows' sequences and positions (``QL_SLOTS`` ...)."""
 
     def __init__(self, lib, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, activation: str = "silu"):
         self.lib, self.eps = lib, eps
         self.nh, self.nkv, self.hd, self.inter = num_heads, num_kv_heads, head_dim, intermediate
         self.act = ACTIVATIONS.index(activation)
-        self._static: torch.Tensor | None = None  # the weights' columns of qg_layers' table
+        self._base: np.ndarray | None = None  # qg_layers' table but the per-step fields
+        self._base_key: tuple = ()
 
     @staticmethod
     def _ptr(v) -> int:
@@ -161,27 +166,30 @@ class QuantLayers:
         return (v.packed if isinstance(v, QuantWeight) else v).data_ptr()
 
     def _layer_table(self, layers: list[dict], kv_caches: list[tuple], ropes: list,
-                     windows: list[int], metas: list, rows: int) -> tuple[torch.Tensor, list]:
-        """``qg_layers``' table: each layer's weights (built once), RoPE tables and window, and its
-        KV group's pools, slot mapping and attention rows for this step; with the tensors it
-        points at that live only as long as the step (kept alive by the caller)."""
-        if self._static is None:
-            self._static = torch.tensor([[self._ptr(layer.get(n)) for n in self.STATIC]
-                                         for layer in layers], dtype=torch.int64)
-        keep, per_meta = [], {}
-        dynamic = []
-        for (kc, vc), rope, window, meta in zip(kv_caches, ropes, windows, metas):
-            cols = per_meta.get(id(meta))
-            if cols is None:
-                plan, slots = meta.row_plan(rows), meta.slot_mapping.contiguous()
-                keep += [plan, slots]
-                cols = per_meta[id(meta)] = [slots.data_ptr(), slots.shape[0],
-                                             plan.tables.data_ptr(), plan.tables.shape[1],
-                                             plan.seq.data_ptr(), plan.pos.data_ptr()]
-            dynamic.append([rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0], window,
-                            kc.data_ptr(), vc.data_ptr(), kc.shape[0], *cols])
-        table = torch.cat([self._static, torch.tensor(dynamic, dtype=torch.int64)], 1).contiguous()
-        assert table.shape[1] == self.lib.qg_layer_fields()
+                     windows: list[int], metas: list, rows: int) -> tuple[np.ndarray, list]:
+        """``qg_layers``' table: each layer's weights, RoPE tables, window and pools (built once per
+        set of pools: the tensors they point at live as long as the model), then its KV group's
+        slot mapping and attention rows for this step; with the step's tensors it points at (kept
+        alive by the caller)."""
+        key = tuple(kc.data_ptr() for kc, _ in kv_caches)
+        if self._base is None or key != self._base_key:
+            base = [[self._ptr(layer.get(n)) for n in self.STATIC]
+                    + [rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0], window,
+                       kc.data_ptr(), vc.data_ptr(), kc.shape[0]] + [0] * self.STEP_FIELDS
+                    for layer, (kc, vc), rope, window in zip(layers, kv_caches, ropes, windows)]
+            assert len(base[0]) == self.lib.qg_layer_fields()
+            self._base, self._base_key = np.array(base, dtype=np.int64), key
+        table, keep = self._base.copy(), []  # numpy: a step's few small writes cost microseconds
+        groups: dict[int, list[int]] = {}  # a hybrid pool's KV groups: the layers of each metadata
+        for i, meta in enumerate(metas):
+            groups.setdefault(id(meta), []).append(i)
+        for idx in groups.values():
+            meta = metas[idx[0]]
+            plan, slots = meta.row_plan(rows), meta.slot_mapping.contiguous()
+            keep += [plan, slots]
+            table[idx, -self.STEP_FIELDS:] = (slots.data_ptr(), slots.shape[0], plan.tables.data_ptr(),
+                                              plan.tables.shape[1], plan.seq.data_ptr(),
+                                              plan.pos.data_ptr())
         return table, keep
 
     def all_layers(self, h: torch.Tensor, layers: list[dict], kv_caches: list[tuple],
@@ -194,7 +202,7 @@ class QuantLayers:
         kc = kv_caches[0][0]
         table, keep = self._layer_table(layers, kv_caches, ropes, windows, metas, rows)
         bad = self.lib.qg_layers(
-            h.data_ptr(), rows, dim, len(layers), table.data_ptr(), self.eps, self.nh, self.nkv,
+            h.data_ptr(), rows, dim, len(layers), table.ctypes.data, self.eps, self.nh, self.nkv,
             self.hd, self.inter, self.act, positions.data_ptr(), kv_kind(kc), kc.shape[1], scale,
             torch.get_num_threads())
         del keep

@@ -58,9 +58,10 @@ class PrefixTokens:
         """The special tokens' texts a remembered prefix may end at."""
         self._ids = frozenset(specials.values())
         self._lead = len(encode("", True))  # the specials (a BOS) encode puts before a text
-        self._pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
-        self._entries: OrderedDict[bytes, tuple[array.array, int]] = OrderedDict()
-        self._runs: OrderedDict[int, array.array] = OrderedDict()  # id(run) -> run, LRU
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._pattern = re.compile("|".join(re.escape(s) for s in longest_first))
+        self._entries: dict[bytes, tuple[array.array, int]] = {}  # prefix digest -> (run, length)
+        self._runs: OrderedDict[int, array.array] = OrderedDict()  # id(run) -> run, LRU: evicted whole
         self._kept = 0
         self.hits = 0
         """Encodes that started from a remembered prefix (tests, stats)."""
@@ -75,7 +76,6 @@ class PrefixTokens:
             hit = self._entries.get(digest)
             if hit is not None:
                 run, n = hit
-                self._entries.move_to_end(digest)
                 self._runs.move_to_end(id(run))
                 start, ids = pos, run[:n].tolist()
                 self.hits += 1
@@ -109,7 +109,6 @@ class PrefixTokens:
         for pos, n, digest in zip(ends, at, digests):
             if pos >= MIN_PREFIX_CHARS:
                 self._entries[digest] = (run, n)
-                self._entries.move_to_end(digest)
         self._runs[id(run)] = run
         self._kept += len(run)
         while self._kept > self._max_ids and len(self._runs) > 1:
