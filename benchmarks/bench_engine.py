@@ -89,6 +89,7 @@ MODES = [
     {"label": "bf16-dense", "options": {"weights": "dense"}},  # every GEMM in the default dtype
     {"label": "int4", "options": {"weights": "int4"}},
     {"label": "int8", "options": {"weights": "int8"}},
+    {"label": "a8", "options": {"activations": "int8"}},  # 8-bit activations in the layer GEMMs
     {"label": "deterministic", "options": {"deterministic": True}, "prefill_only": True},  # --no-deterministic
 ]
 
@@ -245,10 +246,13 @@ class LlamaCppContender:
 
 
 def mode_name(label: str, llm) -> str:
-    """``hotprefix <label> (<compute dtype>[, weights <mode>])`` from what the LLM resolved."""
+    """``hotprefix <label> (<compute dtype>[, weights <mode>][, activations <width>])`` from what
+    the LLM resolved."""
     dtype = str(llm.engine.runner.dtype).replace("torch.", "")
     weights = getattr(llm.config.model, "weights", None)
     extra = f", weights {weights}" if weights not in (None, "auto") else ""
+    if getattr(llm.config.model, "activations", "int16") != "int16":
+        extra += f", activations {llm.config.model.activations}"
     return f"hotprefix {label} ({dtype}{extra})"
 
 

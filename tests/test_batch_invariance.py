@@ -38,6 +38,24 @@ def _last_logits(eng, ids, expect_start=None, others=()):
 
 @pytest.mark.model
 def test_default_mode_logits_bit_identical_cold_warm_and_batched(real_llm):
+    _logits_cold_warm_batched(real_llm)
+
+
+@pytest.mark.model
+def test_int8_activations_have_their_own_namespace_and_exact_logits(real_llm):
+    """``activations='int8'`` (the gguf mode's layer GEMMs on 8-bit activations): other bits, so
+    another namespace (``a8``), and the logits cold == warm == batched bit for bit there too, on
+    whichever path this CPU runs (AMX's one tile product a block, or the int16 kernels)."""
+    llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights="gguf", activations="int8")
+    model = llm.engine.runner.model
+    assert model.narrow and "-a8-" in model.numerics
+    assert all(w.narrow for op, w in model.layers[0].items() if op in ("qkv", "o", "gate_up", "down"))
+    assert not model.lm_head.narrow
+    assert llm.engine.namespace != real_llm.engine.namespace
+    _logits_cold_warm_batched(llm)
+
+
+def _logits_cold_warm_batched(real_llm):
     eng = real_llm.engine
     eng.reset_prefix_cache()
     tok = real_llm.tokenizer

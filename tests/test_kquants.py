@@ -111,6 +111,29 @@ def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
     assert same_bits(lin(x, shared, None)[:, :21], full[:, -21:])
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_8_bit_activations_give_the_portable_bits_on_every_format(level):
+    """``narrow`` (8-bit activations; on AMX one tile product a block, Q6_K two half tiles): at
+    each level, a row's bits in any slice and on one thread equal the portable reference's."""
+    parts = [make("Q4_K", 48, 512, 5), make("Q6_K", 32, 512, 6), make("Q5_K", 16, 512, 7),
+             make("Q5_0", 21, 512, 8)]
+    w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 512, narrow=True)
+    lin = QuantLinear(library(level), None)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 2, 512)
+    x[3, :32] *= 1e5
+    full = lin(x, w, None)
+    for lo, hi in [(0, 1), (5, 6), (0, 6), (5, 18), (1, 37), (2, 70), (32, 64)]:
+        assert same_bits(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
+    torch.set_num_threads(1)
+    try:
+        assert same_bits(lin(x, w, None), full)
+    finally:
+        torch.set_num_threads(2)
+    assert same_bits(lin.reference(x, w), full)
+    assert same_bits(QuantLinear(library("portable"), None)(x, w, None), full)
+    assert not same_bits(QuantLinear(library(level), None)(x, QuantWeight([(k, r) for k, r, _ in parts], 512), None), full)
+
+
 def _write_gguf(path, kinds: dict[str, str], seed: int = 0) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF (hidden 256, MLP 512, 4 heads of 64, 2 KV heads, vocab 64) with the
     matrices in ``kinds`` (GGUF tensor name part -> type); returns the raw bytes by tensor name."""

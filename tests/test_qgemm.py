@@ -90,14 +90,16 @@ def test_product_is_within_16_bit_activation_rounding_of_exact(kind):
     assert y.shape == (37, 72) and y.dtype == torch.float32
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["a16", "a8"])
 @pytest.mark.parametrize("level", LEVELS)
-def test_row_bits_do_not_depend_on_neighbours_threads_or_path(level):
-    """At each ISA level: a row's bits alone, in any slice (tiles of 6 or 8 rows cut anywhere),
-    on one thread, and equal to the portable reference's; a group's partial last lanes (n = 200,
-    40) included."""
+def test_row_bits_do_not_depend_on_neighbours_threads_or_path(level, narrow):
+    """At each ISA level, with 16- and 8-bit activations (``narrow``: AMX's one tile product a
+    block): a row's bits alone, in any slice (tiles of 6 or 8 rows cut anywhere, the AMX path's
+    16 from 32 rows on), on one thread, and equal to the portable reference's; a group's partial
+    last lanes (n = 200, 40) included."""
     kind, raw, _ = make_blocks("Q4_1", 200, 576, seed=3)
-    w8 = QuantWeight([make_blocks("Q8_0", 40, 576, seed=4)[:2]], 576)
-    w4 = QuantWeight([(kind, raw)], 576)
+    w8 = QuantWeight([make_blocks("Q8_0", 40, 576, seed=4)[:2]], 576, narrow=narrow)
+    w4 = QuantWeight([(kind, raw)], 576, narrow=narrow)
     lin = QuantLinear(library(level), None)
     x = torch.randn(130, 576)
     x[5, :32] *= 1e6  # one block far above the rest
@@ -142,6 +144,34 @@ def test_activation_quantization_vector_path_gives_the_portable_bits(level):
     assert qa[0, :32].tolist() == [2114 * i - 32767 for i in range(32)]
     half = torch.tensor([[0.5, 1.5, 2.5, -0.5] + [0.0] * 27 + [32767.0]])
     assert quantize_rows(lib, half, 1)[0][0, :4].tolist() == [0, 2, 2, 0]  # ties to even
+    # 8-bit (narrow): the same steps to +-127, the same bits as the reference
+    got, ref = quantize_rows(lib, x, 2, narrow=True), quantize_rows(lib, x, 1, portable=True, narrow=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.int16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.int16 else b.view(torch.int32))
+    qa, sa, _ = got
+    inv = torch.tensor(127.0) / torch.tensor(15.5)  # the kernel's fp32 steps: v * (127 / amax), rint
+    assert torch.equal(qa[0, :32], torch.round(x[0, :32] * inv).to(torch.int16))
+    assert int(qa.abs().max()) == 127 and qa[4, 7] == -127 and sa[5, 1] == float("inf")
+    half8 = torch.tensor([[0.5, 1.5, 2.5, -0.5] + [0.0] * 27 + [127.0]])
+    assert quantize_rows(lib, half8, 1, narrow=True)[0][0, :4].tolist() == [0, 2, 2, 0]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_8_bit_activations_are_within_their_rounding_of_exact(kind):
+    """``narrow``: each block's activations are rounded to amax / 127 steps (llama.cpp's width), so
+    an output is off by at most half a step times the block's weights' sizes, summed over blocks;
+    16 bits keep a 258th of that bound. Both reached well past the other's bound."""
+    _, raw, deq = make_blocks(kind, 72, 160, seed=7)
+    x = torch.randn(37, 160) * torch.logspace(-3, 2, 160)
+    amax = x.abs().view(37, 5, 32).amax(-1).repeat_interleave(32, 1)  # each input's block max
+    step = (amax.double() / 2) @ deq.abs().double().T  # sum over inputs of half a unit step x |w|
+    ref = exact(x, deq)
+    err8 = (QuantLinear(LIB, None)(x, QuantWeight([(kind, raw)], 160, narrow=True), None).double() - ref).abs()
+    err16 = (QuantLinear(LIB, None)(x, QuantWeight([(kind, raw)], 160), None).double() - ref).abs()
+    assert (err8 <= step / 127 * 1.001 + 1e-6 * ref.abs()).all()
+    assert (err16 <= step / 32767 * 1.001 + 1e-6 * ref.abs()).all()
+    assert (err8 > step / 32767 * 2).float().mean() > 0.5  # 8 bits really are coarser
 
 
 def test_zero_and_non_finite_blocks():

@@ -53,6 +53,8 @@ def parse_bytes(value: int | str) -> int:
 
 WEIGHT_MODES = ("auto", "gguf", "mixed", "dense", "bf16", "int8", "int4")
 """Accepted ``ModelConfig.weights`` values (see ``hotprefix.model.linear``)."""
+ACTIVATION_WIDTHS = ("int16", "int8")
+"""Accepted ``ModelConfig.activations`` values (see ``hotprefix.model.qlinear``)."""
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "bfloat16", "float16", "float32")
 """Accepted ``CacheConfig.kv_cache_dtype`` values (``hotprefix.model.kv_dtype``; the long names
@@ -93,6 +95,13 @@ class ModelConfig:
     ``int8`` (per-channel int8, weight-only) or ``int4`` (4-bit in groups of 32, the GGUF's Q4_1 layout). Quantized modes read
     fewer bytes per decoded token (CPU only). Every mode is batch-invariant; the quality of each is
     measured by ``benchmarks/bench_quality.py``."""
+    activations: str = "int16"
+    """What the ``gguf`` mode's layer GEMMs round their inputs to, per block of 32: ``int16`` (top-1
+    agreement with fp32 within a fraction of a point) or ``int8`` (llama.cpp's width: on CPUs with
+    AMX one int8 tile product a block instead of two, about 1.3-1.4x the prefill of a 1B Q4_K_M;
+    3 points lower top-1 agreement on SmolLM2-135M, ``benchmarks/bench_quality.py``). Its own cache
+    namespace (``a8``): never mixed with int16 entries. The LM head keeps 16 bits; other CPUs
+    compute int8's same bits at int16's speed. Ignored outside the ``gguf`` mode."""
     num_threads: int | None = None
     """CPU threads for torch; None leaves torch's default (OMP_NUM_THREADS)."""
     deterministic: bool = False
@@ -325,6 +334,9 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.model.device!r}")
         if self.model.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.model.weights!r}")
+        if self.model.activations not in ACTIVATION_WIDTHS:
+            raise ConfigError(f"activations must be one of {', '.join(ACTIVATION_WIDTHS)}, "
+                              f"got {self.model.activations!r}")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.model.dtype!r}")
 

@@ -128,7 +128,7 @@ class ModelRunner:
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
-                                model_cfg.fused_kernels, loaded.blocks, kv)
+                                model_cfg.fused_kernels, loaded.blocks, kv, model_cfg.activations)
         self.block_size = bs = cache_cfg.block_size
         self.bytes_per_token = kv.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
         """Pool bytes a cached token costs (K and V of every layer, int8 scales included)."""

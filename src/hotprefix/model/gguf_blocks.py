@@ -350,7 +350,7 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
     head = np.ascontiguousarray(buf[:8 * groups]).view(np.int64)
     out = np.empty((groups * LANES, k), np.float32)
     for g in range(groups):
-        fmt, off = int(head[g] & 15), int(head[g] >> 4)
+        fmt, off = int(head[g] & 7), int(head[g] >> 4)
         raw = buf[off:off + group_bytes(fmt, nb)]
         bits = 8 if fmt == QF_Q8 else 4  # the low nibbles; Q5_0, Q5_K and Q6_K add their planes
         qbytes = {QF_Q4: 256, QF_K4: 256, QF_K5: 320, QF_K6: 384}.get(fmt, 512)

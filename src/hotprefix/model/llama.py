@@ -33,8 +33,8 @@ from hotprefix.model.fused import C_ATTN_CHUNK, C_ATTN_SEGMENT, fused_ops, libra
 from hotprefix.model.linear import (high_linear, invariant_min_rows,
                                     pick_weight_linear, resolve_weights, weight_bytes)
 from hotprefix.model.loader import ModelArch
-from hotprefix.model.qlinear import (GGUF_TYPES, QUANT_NUMERICS, BlockRows, QuantLayers, QuantLinear,
-                                     QuantWeight, block_columns)
+from hotprefix.model.qlinear import (GGUF_TYPES, NARROW_GEMMS, QUANT_NUMERICS, QUANT_NUMERICS_NARROW,
+                                     BlockRows, QuantLayers, QuantLinear, QuantWeight, block_columns)
 from hotprefix.model.gguf_blocks import PackError
 from hotprefix.model.rope import inverse_frequencies
 
@@ -108,12 +108,14 @@ class _Packer:
     pack32: Callable
     fp32_ops: frozenset
     gguf: bool
+    narrow_ops: frozenset
+    """The GEMMs whose blocks round their activations to 8 bits (``NARROW_GEMMS`` or none)."""
 
     def __call__(self, op: str, names: list[str]):
         if self.gguf and all(n in self.blocks for n in names):
             try:
                 return QuantWeight([self.blocks[n] for n in names], block_columns(*self.blocks[names[0]]),
-                                   self.qlib)
+                                   self.qlib, narrow=op in self.narrow_ops)
             except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
                 log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
         w = self.weights
@@ -126,7 +128,8 @@ class LlamaModel:
 
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
-                 blocks: dict[str, tuple] | None = None, kv_dtype: KVDtype | None = None):
+                 blocks: dict[str, tuple] | None = None, kv_dtype: KVDtype | None = None,
+                 activations: str = "int16"):
         self.arch = arch
         self.family = family(arch.arch)
         self.device, self.dtype = device, dtype
@@ -140,8 +143,13 @@ class LlamaModel:
         """With the gguf mode's layer calls and the C attention, a forward pass's layers run in
         one C call (``qlinear.QuantLayers.all_layers``); off, one Python loop iteration a layer
         makes the same calls (tests compare the two)."""
+        self.narrow = activations == "int8" and self.weight_mode == "gguf"
+        """The gguf mode's layer GEMMs round their inputs to 8 bits (``ModelConfig.activations``)."""
+        if activations == "int8" and not self.narrow:
+            log.warning("activations='int8' is the gguf mode's: running %s", self.weight_mode)
         self._hold_weights(weights, _Packer(weights, blocks, qlib, pack, pack32, self.fp32_ops,
-                                            self.weight_mode == "gguf"))
+                                            self.weight_mode == "gguf",
+                                            NARROW_GEMMS if self.narrow else frozenset()))
         self.numerics = self._numerics_tag(high_tag, qlib)
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
@@ -204,7 +212,8 @@ class LlamaModel:
     def _numerics_tag(self, high_tag: str, qlib) -> str:
         """The ``numerics`` tag (see there) of the modes and kernels chosen."""
         dtype, device = self.dtype, self.device
-        high = ((f"-{QUANT_NUMERICS}" if self.weight_mode == "gguf" else "")
+        high = ((f"-{QUANT_NUMERICS_NARROW if self.narrow else QUANT_NUMERICS}"
+                 if self.weight_mode == "gguf" else "")
                 + ("-emb32" if isinstance(self.embed, BlockRows) else "")  # rows from the blocks
                 + (f"-{high_tag}" if high_tag else ""))
         attn = (f"/attn-c-k{C_ATTN_CHUNK}-s{C_ATTN_SEGMENT}" if self.c_attention

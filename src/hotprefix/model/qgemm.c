@@ -48,7 +48,8 @@
 #define QG_ROWS 6        /* rows sharing one pass over a weight block */
 #endif
 #define QG_ROW_SPAN 192  /* rows whose activations stay in L2 while the groups stream (a multiple of QG_ROWS) */
-#define QG_QMAX 32767.0f
+#define QG_QMAX 32767.0f /* activations' largest magnitude: 16-bit */
+#define QG_QMAX8 127.0f  /* the narrow (8-bit) activations' (a weight's table flag: qgemm_layout.h) */
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
@@ -60,19 +61,19 @@
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
  * amax ignores NaN (fmaxf), a NaN value clamps to -QMAX, an infinite amax gives zeros and scale inf.
  * The portable reference of quantize_block_avx. */
-static void quantize_block_c(const float *v, int16_t *q, float *sa, float *sq) {
+static void quantize_block_c(const float *v, int16_t *q, float *sa, float *sq, const float qmax) {
     float amax = 0.0f;
     for (int i = 0; i < QG_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
     int32_t sum = 0;
     if (amax > 0.0f && isfinite(amax)) {
-        float inv = QG_QMAX / amax;
+        float inv = qmax / amax;
         for (int i = 0; i < QG_BLOCK; i++) {
             float t = rintf(v[i] * inv);
-            t = fminf(fmaxf(t, -QG_QMAX), QG_QMAX);
+            t = fminf(fmaxf(t, -qmax), qmax);
             q[i] = (int16_t)t;
             sum += q[i];
         }
-        *sa = amax / QG_QMAX;
+        *sa = amax / qmax;
     } else {
         memset(q, 0, QG_BLOCK * sizeof(int16_t));
         *sa = amax > 0.0f ? amax : 0.0f; /* inf/nan propagate through the scale */
@@ -84,14 +85,15 @@ static void quantize_block_c(const float *v, int16_t *q, float *sa, float *sq) {
 /* quantize_block_c with AVX-512, value for value: the same IEEE products and roundings, and max
  * and min ordered so that a NaN is treated as fmaxf / fminf treat it (MAXPS returns its second
  * operand when either is NaN). */
-static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, float *sq) {
+static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, float *sq,
+                                      const float qmax) {
     const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
     __m512 m = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps());
     m = _mm512_max_ps(_mm512_abs_ps(v1), m);
     const float amax = _mm512_reduce_max_ps(m); /* no NaN lanes left: any order is exact */
     if (amax > 0.0f && isfinite(amax)) {
-        const __m512 inv = _mm512_set1_ps(QG_QMAX / amax), lo = _mm512_set1_ps(-QG_QMAX),
-                     hi = _mm512_set1_ps(QG_QMAX);
+        const __m512 inv = _mm512_set1_ps(qmax / amax), lo = _mm512_set1_ps(-qmax),
+                     hi = _mm512_set1_ps(qmax);
         const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         __m512 t0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, inv), rn);
         __m512 t1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, inv), rn);
@@ -101,7 +103,7 @@ static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, flo
         _mm256_storeu_si256((__m256i *)q, _mm512_cvtepi32_epi16(i0));
         _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(i1));
         *sq = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        *sa = amax / QG_QMAX;
+        *sa = amax / qmax;
     } else {
         memset(q, 0, QG_BLOCK * sizeof(int16_t));
         *sa = amax > 0.0f ? amax : 0.0f;
@@ -111,7 +113,8 @@ static inline void quantize_block_avx(const float *v, int16_t *q, float *sa, flo
 #define quantize_block quantize_block_avx
 #elif defined(HP_AVX2)
 /* quantize_block_c with AVX2, value for value (the AVX-512 version's steps on 8 lanes). */
-static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, float *sq) {
+static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, float *sq,
+                                       const float qmax) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 x[4], m = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -123,8 +126,8 @@ static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, fl
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     const float amax = _mm_cvtss_f32(h);
     if (amax > 0.0f && isfinite(amax)) {
-        const __m256 inv = _mm256_set1_ps(QG_QMAX / amax), lo = _mm256_set1_ps(-QG_QMAX),
-                     hi = _mm256_set1_ps(QG_QMAX);
+        const __m256 inv = _mm256_set1_ps(qmax / amax), lo = _mm256_set1_ps(-qmax),
+                     hi = _mm256_set1_ps(qmax);
         __m256i t[4], sum = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256 r = _mm256_round_ps(_mm256_mul_ps(x[i], inv),
@@ -140,7 +143,7 @@ static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, fl
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         *sq = (float)_mm_cvtsi128_si32(s4);
-        *sa = amax / QG_QMAX;
+        *sa = amax / qmax;
     } else {
         memset(q, 0, QG_BLOCK * sizeof(int16_t));
         *sa = amax > 0.0f ? amax : 0.0f;
@@ -152,30 +155,32 @@ static inline void quantize_block_avx2(const float *v, int16_t *q, float *sa, fl
 #define quantize_block quantize_block_c
 #endif
 
-/* x [rows][k] fp32 -> qa [rows][k] int16, sa and sq [rows][k / 32]. portable: the C reference
- * (tests: it must give the vector path's bits). */
+/* x [rows][k] fp32 -> qa [rows][k] int16, sa and sq [rows][k / 32]; narrow: rounded to +-127
+ * (8-bit values, held in int16: the int16 kernels' bits, the AMX path's one tile product a block),
+ * else +-32767. portable: the C reference (tests: it must give the vector path's bits). */
 static void quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows,
-                          int64_t k, int threads, int portable) {
+                          int64_t k, int narrow, int threads, int portable) {
     const int64_t nb = k / QG_BLOCK;
+    const float qmax = narrow ? QG_QMAX8 : QG_QMAX;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
             const int64_t i = r * k + b * QG_BLOCK, j = r * nb + b;
             if (portable)
-                quantize_block_c(x + i, qa + i, sa + j, sq + j);
+                quantize_block_c(x + i, qa + i, sa + j, sq + j, qmax);
             else
-                quantize_block(x + i, qa + i, sa + j, sq + j);
+                quantize_block(x + i, qa + i, sa + j, sq + j, qmax);
         }
 }
 
 void qg_quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows, int64_t k,
-                      int threads) {
-    quantize_rows(x, qa, sa, sq, rows, k, threads, 0);
+                      int narrow, int threads) {
+    quantize_rows(x, qa, sa, sq, rows, k, narrow, threads, 0);
 }
 
 void qg_quantize_rows_reference(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows,
-                                int64_t k) {
-    quantize_rows(x, qa, sa, sq, rows, k, 1, 1);
+                                int64_t k, int narrow) {
+    quantize_rows(x, qa, sa, sq, rows, k, narrow, 1, 1);
 }
 
 /* ------------------------------------------------------------------ the weight layout */
@@ -545,7 +550,7 @@ int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t ro
     int16_t *qa = hp_scratch(SCR_LINEAR, (size_t)(rows * k) * sizeof(int16_t) + 2 * (size_t)(rows * nb) * sizeof(float));
     if (!qa) return -1;
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
-    qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
+    qg_quantize_rows(x, qa, sa, sq, rows, k, group_narrow(w), threads);
     qg_gemm(w, n, k, qa, sa, sq, rows, y, threads);
     return 0;
 }

@@ -133,38 +133,45 @@ static void decode_group(const uint8_t *wg, const int f, int64_t nb, int8_t *bt,
     }
 }
 
-/* S = 256 hi + lo for 16 rows of two stored C tiles */
-static inline __m512i tile_sum(const int32_t *c, int r) {
+/* S for 16 rows of stored C tiles: 256 hi + lo (16-bit activations, two tiles), or the one tile's
+ * sums (narrow: 8-bit activations) */
+static inline __m512i tile_sum(const int32_t *c, int r, const int narrow) {
+    if (narrow) return _mm512_loadu_si512(c + 16 * r);
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(c + 16 * r), 8),
                             _mm512_loadu_si512(c + 256 + 16 * r));
 }
 
-#define ISSUE(B, CH, CL)                                                   \
-    do {                                                                   \
-        _tile_loadd(T_AHI, at + (B) * AMX_ATILE, QG_BLOCK);                \
-        _tile_loadd(T_ALO, at + (B) * AMX_ATILE + AMX_ATILE / 2, QG_BLOCK); \
-        _tile_loadd(T_B, bt + (B) * AMX_TILE, 4 * QG_LANES);               \
-        _tile_zero(CH);                                                    \
-        _tile_zero(CL);                                                    \
-        _tile_dpbssd(CH, T_AHI, T_B);                                      \
-        _tile_dpbusd(CL, T_ALO, T_B);                                      \
+/* block B's tile products into C tiles CH (and CL): 16-bit activations take two (high bytes x q,
+ * low bytes x q), narrow ones one (their int8 values x q) */
+#define ISSUE(B, CH, CL)                                                       \
+    do {                                                                       \
+        _tile_loadd(T_AHI, at + (B) * atile, QG_BLOCK);                        \
+        if (!narrow) _tile_loadd(T_ALO, at + (B) * atile + AMX_ATILE / 2, QG_BLOCK); \
+        _tile_loadd(T_B, bt + (B) * AMX_TILE, 4 * QG_LANES);                   \
+        _tile_zero(CH);                                                        \
+        _tile_dpbssd(CH, T_AHI, T_B);                                          \
+        if (!narrow) {                                                         \
+            _tile_zero(CL);                                                    \
+            _tile_dpbusd(CL, T_ALO, T_B);                                      \
+        }                                                                      \
     } while (0)
-#define STORE(CH, CL, BUF)                                                 \
-    do {                                                                   \
-        _tile_stored(CH, (BUF), 4 * QG_LANES);                             \
-        _tile_stored(CL, (BUF) + 256, 4 * QG_LANES);                       \
+#define STORE(CH, CL, BUF)                                                     \
+    do {                                                                       \
+        _tile_stored(CH, (BUF), 4 * QG_LANES);                                 \
+        if (!narrow) _tile_stored(CL, (BUF) + 256, 4 * QG_LANES);              \
     } while (0)
 
-/* The float steps of block b for 16 rows from its stored sums (c: S_hi, then S_lo; Q6_K: c2 the
- * inputs 16-31's), group_rows_c's: c = d S + m sq (Q6_K: d S_0-15 + m S_16-31), acc += sa c. */
+/* The float steps of block b for 16 rows from its stored sums (c: S_hi, then S_lo, or the narrow
+ * sums; Q6_K: c2 the inputs 16-31's), group_rows_c's: c = d S + m sq (Q6_K: d S_0-15 + m S_16-31),
+ * acc += sa c. */
 #define EPILOGUE(B, C, C2)                                                                        \
     do {                                                                                          \
         const __m512 d = dv[B], m = mv[B];                                                        \
         _Pragma("GCC unroll 16") /* the 16 rows' sums stay in registers */                        \
         for (int r = 0; r < AMX_ROWS; r++) {                                                      \
-            const __m512 s = _mm512_cvtepi32_ps(tile_sum(C, r));                                  \
+            const __m512 s = _mm512_cvtepi32_ps(tile_sum(C, r, narrow));                          \
             const __m512 t = f == QF_K6                                                           \
-                ? _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_cvtepi32_ps(tile_sum(C2, r))))    \
+                ? _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_cvtepi32_ps(tile_sum(C2, r, narrow)))) \
                 : _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_set1_ps(sq[(B) * AMX_ROWS + r]))); \
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[(B) * AMX_ROWS + r]), t, acc[r]);          \
         }                                                                                         \
@@ -173,15 +180,19 @@ static inline __m512i tile_sum(const int32_t *c, int r) {
 /* 16 rows (at: their activation tiles, split_rows' layout; sa / sq: their first block's, stride nb)
  * against one decoded group: y's first nr rows, its first `lanes` outputs. The tile products of a
  * block are stored one step after they are issued and their float steps run one step after that,
- * so neither waits on the tiles' latency. */
-static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, const int f, int64_t nb,
-                      const uint8_t *at, const float *sa, const float *sq, int nr, float *y,
-                      int64_t ldy, int lanes) {
+ * so neither waits on the tiles' latency. narrow: the activations are 8-bit (one tile a block);
+ * a constant at each call, so each kind gets its own copy of the loop. */
+static inline __attribute__((always_inline)) void
+tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, const int f, int64_t nb,
+          const uint8_t *at, const float *sa, const float *sq, int nr, float *y, int64_t ldy,
+          int lanes, const int narrow) {
     int32_t cb[3][1024] __attribute__((aligned(64))); /* stored C tiles of three blocks in flight */
+    const int64_t atile = narrow ? AMX_ATILE / 2 : AMX_ATILE;
     __m512 acc[AMX_ROWS];
     _Pragma("GCC unroll 16")
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    if (f == QF_K6) { /* four C tiles a block: one set, stored before the next block's products */
+    if (f == QF_K6) { /* four C tiles a block (narrow: two): one set, stored before the next
+                       * block's products */
         for (int64_t i = 0; i < nb + 2; i++) {
             if (i >= 1 && i - 1 < nb) {
                 int32_t *c = cb[(i - 1) & 1];
@@ -189,18 +200,20 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
                 STORE(T_C2, T_C3, c + 512);
             }
             if (i < nb) {
-                _tile_loadd(T_AHI, at + i * AMX_ATILE, QG_BLOCK);
-                _tile_loadd(T_ALO, at + i * AMX_ATILE + AMX_ATILE / 2, QG_BLOCK);
+                _tile_loadd(T_AHI, at + i * atile, QG_BLOCK);
+                if (!narrow) _tile_loadd(T_ALO, at + i * atile + AMX_ATILE / 2, QG_BLOCK);
                 _tile_loadd(T_B, bt + 2 * i * AMX_TILE, 4 * QG_LANES);
                 _tile_loadd(T_B2, bt + (2 * i + 1) * AMX_TILE, 4 * QG_LANES);
                 _tile_zero(T_C0);
-                _tile_zero(T_C1);
                 _tile_zero(T_C2);
-                _tile_zero(T_C3);
                 _tile_dpbssd(T_C0, T_AHI, T_B);
-                _tile_dpbusd(T_C1, T_ALO, T_B);
                 _tile_dpbssd(T_C2, T_AHI, T_B2);
-                _tile_dpbusd(T_C3, T_ALO, T_B2);
+                if (!narrow) {
+                    _tile_zero(T_C1);
+                    _tile_zero(T_C3);
+                    _tile_dpbusd(T_C1, T_ALO, T_B);
+                    _tile_dpbusd(T_C3, T_ALO, T_B2);
+                }
             }
             if (i >= 2) EPILOGUE(i - 2, cb[i & 1], cb[i & 1] + 512);
         }
@@ -209,7 +222,7 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
               * whole step to finish) */
         for (int64_t i = 0; i < nb + 2; i++) {
             if (i + AMX_AHEAD < nb) /* the activation tiles stream from L2: fetch them ahead */
-                for (int c = 0; c < AMX_ATILE; c += 64) _mm_prefetch((const char *)(at + (i + AMX_AHEAD) * AMX_ATILE + c), _MM_HINT_T0);
+                for (int c = 0; c < atile; c += 64) _mm_prefetch((const char *)(at + (i + AMX_AHEAD) * atile + c), _MM_HINT_T0);
             if (i < nb) {
                 if (i & 1)
                     ISSUE(i, T_C2, T_C3);
@@ -233,22 +246,28 @@ static void tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, cons
 }
 
 /* qa [rows][k] -> the activation tiles: for each 16 rows and block b, AMX_ATILE bytes, the rows'
- * high bytes (int8, 16 x 32) then their low bytes (uint8, 16 x 32), qa = 256 hi + lo exactly:
- * a tile load reads 512 contiguous bytes. */
-static void split_rows(const int16_t *qa, uint8_t *at, int64_t rows, int64_t k, int threads) {
-    const int64_t nb = k / QG_BLOCK;
+ * high bytes (int8, 16 x 32) then their low bytes (uint8, 16 x 32), qa = 256 hi + lo exactly: a
+ * tile load reads 512 contiguous bytes. narrow (|qa| <= 127): AMX_ATILE / 2 bytes, the values
+ * as int8. */
+static void split_rows(const int16_t *qa, uint8_t *at, int64_t rows, int64_t k, int narrow,
+                       int threads) {
+    const int64_t nb = k / QG_BLOCK, atile = narrow ? AMX_ATILE / 2 : AMX_ATILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
             const __m512i q = _mm512_loadu_si512(qa + r * k + b * QG_BLOCK);
-            uint8_t *t = at + ((r / AMX_ROWS) * nb + b) * AMX_ATILE + (r % AMX_ROWS) * QG_BLOCK;
+            uint8_t *t = at + ((r / AMX_ROWS) * nb + b) * atile + (r % AMX_ROWS) * QG_BLOCK;
+            if (narrow) {
+                _mm256_storeu_si256((__m256i *)t, _mm512_cvtepi16_epi8(q));
+                continue;
+            }
             _mm256_storeu_si256((__m256i *)t, _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
             _mm256_storeu_si256((__m256i *)(t + AMX_ATILE / 2), _mm512_cvtepi16_epi8(q));
         }
 }
 
 void qg_quantize_rows(const float *x, int16_t *qa, float *sa, float *sq, int64_t rows, int64_t k,
-                      int threads);
+                      int narrow, int threads);
 
 /* qg_linear (qgemm.c) on tiles: x [rows][k] fp32 -> y [rows][n]. Returns -1 when scratch memory
  * ran out (y untouched), else 0. The caller checks qg_amx_ready() first. */
@@ -264,12 +283,14 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
     int16_t *qa = (int16_t *)scratch;
     uint8_t *at = scratch + (size_t)(rows * k) * 2;
     float *sa = (float *)(at + 2 * padded * k), *sq = sa + padded * nb;
+    const int narrow = group_narrow(w);
+    const int64_t atile = narrow ? AMX_ATILE / 2 : AMX_ATILE;
     if (padded > rows) /* the last tile's rows past `rows`: zero activations and scales */
-        memset(at + (rows / AMX_ROWS) * nb * AMX_ATILE, 0, (size_t)(nb * AMX_ATILE));
+        memset(at + (rows / AMX_ROWS) * nb * atile, 0, (size_t)(nb * atile));
     memset(sa + rows * nb, 0, (size_t)((padded - rows) * nb) * 4);
     memset(sq + rows * nb, 0, (size_t)((padded - rows) * nb) * 4);
-    qg_quantize_rows(x, qa, sa, sq, rows, k, threads);
-    split_rows(qa, at, rows, k, threads);
+    qg_quantize_rows(x, qa, sa, sq, rows, k, narrow, threads);
+    split_rows(qa, at, rows, k, narrow, threads);
     /* the scales per tile of 16 rows, block-major: [tile][block][16 rows], the float steps' broadcasts
      * then read one line a block */
     float *st = sq + padded * nb, *qt = st + padded * nb;
@@ -301,8 +322,13 @@ int qg_linear_amx(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_
                 decode_group(wg, f, nb, bt, dv, mv);
                 for (int64_t r = r0; r < r1 && r < rows; r += AMX_ROWS) {
                     const int nr = rows - r < AMX_ROWS ? (int)(rows - r) : AMX_ROWS;
-                    tile_rows(bt, dv, mv, f, nb, at + (r / AMX_ROWS) * nb * AMX_ATILE, st + r * nb,
-                              qt + r * nb, nr, y + r * n + g * QG_LANES, n, lanes);
+                    const uint8_t *a = at + (r / AMX_ROWS) * nb * atile;
+                    if (narrow)
+                        tile_rows(bt, dv, mv, f, nb, a, st + r * nb, qt + r * nb, nr,
+                                  y + r * n + g * QG_LANES, n, lanes, 1);
+                    else
+                        tile_rows(bt, dv, mv, f, nb, a, st + r * nb, qt + r * nb, nr,
+                                  y + r * n + g * QG_LANES, n, lanes, 0);
                 }
             }
         }

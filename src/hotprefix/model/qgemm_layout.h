@@ -70,12 +70,21 @@ static inline const uint8_t *super_at(const uint8_t *wg, int f, int64_t b) {
     return wg + (b / 8) * fmt_super(f) + 8 * (fmt_qbytes(f) + 32);
 }
 
-/* Group g's bytes and format, from the buffer's table. */
+/* Group g's bytes and format, from the buffer's table (an entry: offset << 4 | narrow << 3 |
+ * format). */
 static inline const uint8_t *group_at(const uint8_t *w, int64_t g, int *f) {
     int64_t h;
     memcpy(&h, w + 8 * g, sizeof h);
-    *f = (int)(h & 15);
+    *f = (int)(h & 7);
     return w + (h >> 4);
+}
+
+/* Whether the weight's products round their activations to 8 bits (+-127) rather than 16: the flag
+ * of its table's first entry (qlinear.QuantWeight sets it on every entry). */
+static inline int group_narrow(const uint8_t *w) {
+    int64_t h;
+    memcpy(&h, w, sizeof h);
+    return (int)((h >> 3) & 1);
 }
 
 /* Input i of lane l in a block's values. */

@@ -30,20 +30,31 @@ from hotprefix.model.gguf_blocks import (BLOCK, BLOCK_BYTES, GGUF_TYPES, LANES, 
 
 QUANT_NUMERICS = "a16"
 """The kernel's numerics in the cache namespace (activations as 16-bit integers per 32-block)."""
+QUANT_NUMERICS_NARROW = "a8"
+"""The same with the layer GEMMs' activations as 8-bit integers (``ModelConfig.activations``)."""
+NARROW_GEMMS = frozenset({"qkv", "o", "gate_up", "down"})
+"""The GEMMs that ``activations='int8'`` rounds to 8 bits: a layer's four. The LM head keeps 16
+(its few rows a step gain nothing from the tiles; 8 bits there moved KL, not top-1)."""
 
 
 class QuantWeight:
     """A weight held in the kernel's block layout (``gguf_blocks.pack_weight``)."""
 
-    __slots__ = ("packed", "formats", "n", "k", "nbytes")
+    __slots__ = ("packed", "formats", "n", "k", "nbytes", "narrow")
 
-    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int, lib=None):
+    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int, lib=None, narrow: bool = False):
         """``blocks``: (GGUF type, raw bytes [..., bytes a row]) of tensors stacked along the
         output dimension (Q/K/V, gate/up); each group of 16 outputs keeps its type's format.
         ``lib``: the compiled kernels, whose ``qg_pack`` (``qpack.c``) writes the groups on
         ``torch.get_num_threads()`` threads; None: the numpy reference (the same bytes, slower).
+        ``narrow``: its products round their activations to 8 bits (+-127) instead of 16 (the
+        flag in every entry of the buffer's table, which the kernels read).
         Raises ``gguf_blocks.PackError`` for a stack the layout cannot hold."""
         buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib))
+        self.narrow = bool(narrow)
+        if narrow:
+            groups = -(-sum(block_rows(raw) for _, raw in blocks) // LANES)
+            buf[:8 * groups].view(np.int64)[:] |= 8
         self.n, self.k = sum(block_rows(raw) for _, raw in blocks), k
         self.packed = torch.from_numpy(buf)
         self.nbytes = self.packed.numel()
@@ -84,20 +95,21 @@ class BlockRows:
         return out.view(*idx.shape, w.k)
 
 
-def quantize_rows(lib, x: torch.Tensor, threads: int,
-                  portable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [rows, k] fp32 -> (int16 activations, a scale and a sum per 32-block); ``portable``: the
-    C reference (tests: the same bits as the vector path)."""
+def quantize_rows(lib, x: torch.Tensor, threads: int, portable: bool = False,
+                  narrow: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, k] fp32 -> (int16 activations, a scale and a sum per 32-block); ``narrow``: the
+    activations rounded to +-127; ``portable``: the C reference (tests: the same bits as the
+    vector path)."""
     rows, k = x.shape
     qa = torch.empty(rows, k, dtype=torch.int16)
     sa = torch.empty(rows, k // BLOCK, dtype=torch.float32)
     sq = torch.empty(rows, k // BLOCK, dtype=torch.float32)
     if portable:
         lib.qg_quantize_rows_reference(x.data_ptr(), qa.data_ptr(), sa.data_ptr(), sq.data_ptr(),
-                                       rows, k)
+                                       rows, k, int(narrow))
     else:
         lib.qg_quantize_rows(x.data_ptr(), qa.data_ptr(), sa.data_ptr(), sq.data_ptr(), rows, k,
-                             threads)
+                             int(narrow), threads)
     return qa, sa, sq
 
 
@@ -121,7 +133,7 @@ class QuantLinear:
     def reference(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         """The portable C path on the same inputs (tests: it must give ``__call__``'s bits)."""
         x = x.float().contiguous()
-        qa, sa, sq = quantize_rows(self.lib, x, 1, portable=True)
+        qa, sa, sq = quantize_rows(self.lib, x, 1, portable=True, narrow=w.narrow)
         y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
         self.lib.qg_gemm_reference(w.packed.data_ptr(), w.n, w.k, qa.data_ptr(),
                                    sa.data_ptr(), sq.data_ptr(), x.shape[0], y.data_ptr())

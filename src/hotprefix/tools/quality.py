@@ -40,26 +40,34 @@ class QualityMode:
     kv_cache_dtype: str | None = None
     """The KV pool's element type, as ``LLM(kv_cache_dtype=...)`` (``bf16``, ``int8``...); None = not
     passed (``auto``)."""
+    activations: str | None = None
+    """The gguf mode's activation width, as ``LLM(activations=...)`` (``int16``, ``int8``); None = not
+    passed."""
 
     @property
     def name(self) -> str:
         short = DTYPE_NAMES.get(self.dtype, self.dtype) if self.dtype is not None else "default"
         name = short if self.weights is None else f"{short} / weights {self.weights}"
+        name = name if self.activations is None else f"{name} / activations {self.activations}"
         return name if self.kv_cache_dtype is None else f"{name} / KV {self.kv_cache_dtype}"
 
     @classmethod
     def parse(cls, spec: str) -> "QualityMode":
-        """``DTYPE[:WEIGHTS][@KV]`` (``float32``, ``bfloat16:int8``, ``default@int8``; ``default`` =
-        no dtype given)."""
+        """``DTYPE[:WEIGHTS][+ACTIVATIONS][@KV]`` (``float32``, ``bfloat16:int8``, ``default+int8``,
+        ``default@int8``; ``default`` = no dtype given)."""
         spec, _, kv = spec.partition("@")
+        spec, _, act = spec.partition("+")
         dtype, _, weights = spec.partition(":")
-        return cls(None if dtype in ("", "default") else dtype, weights or None, kv or None)
+        return cls(None if dtype in ("", "default") else dtype, weights or None, kv or None,
+                   act or None)
 
     def llm_options(self) -> dict[str, Any]:
         """The ``LLM(...)`` options of this mode (see ``llm_options``)."""
         opts = llm_options(self.dtype, self.weights)
         if self.kv_cache_dtype is not None:
             opts["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.activations is not None:
+            opts["activations"] = self.activations
         return opts
 
 
