@@ -9,6 +9,10 @@
  * in order), so a row's bits do not depend on the rows beside it, the tiling, the thread count or
  * whether this path ran: tests compare it with the portable reference.
  *
+ * Narrow weights (8-bit activations, |qa| <= 127: qgemm_layout.h's group_narrow) need one tile
+ * product a block (TDPBSSD: qa x q), so S comes from one C tile, and a deeper pipeline over two
+ * sets of A and B tiles and four C tiles keeps the products apart from their stores.
+ *
  * Work: a group of 16 outputs is decoded once per span of rows into int8 B tiles (8 rows of 64
  * bytes a block: row kk holds each lane's inputs 4kk .. 4kk + 3) with its blocks' float scales;
  * then 16 rows at a time run over it, the tile products of block b + 1 in flight while the float
@@ -164,17 +168,32 @@ static inline __m512i tile_sum(const int32_t *c, int r, const int narrow) {
 /* The float steps of block b for 16 rows from its stored sums (c: S_hi, then S_lo, or the narrow
  * sums; Q6_K: c2 the inputs 16-31's), group_rows_c's: c = d S + m sq (Q6_K: d S_0-15 + m S_16-31),
  * acc += sa c. */
-#define EPILOGUE(B, C, C2)                                                                        \
+#define EPILOGUE(B, C, C2, K6)                                                                    \
     do {                                                                                          \
         const __m512 d = dv[B], m = mv[B];                                                        \
         _Pragma("GCC unroll 16") /* the 16 rows' sums stay in registers */                        \
         for (int r = 0; r < AMX_ROWS; r++) {                                                      \
             const __m512 s = _mm512_cvtepi32_ps(tile_sum(C, r, narrow));                          \
-            const __m512 t = f == QF_K6                                                           \
+            const __m512 t = (K6)                                                                 \
                 ? _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_cvtepi32_ps(tile_sum(C2, r, narrow)))) \
                 : _mm512_fmadd_ps(d, s, _mm512_mul_ps(m, _mm512_set1_ps(sq[(B) * AMX_ROWS + r]))); \
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sa[(B) * AMX_ROWS + r]), t, acc[r]);          \
         }                                                                                         \
+    } while (0)
+
+/* Step I of the narrow pipeline: block I's tiles into A and B, its product into C; block I - 2's
+ * sums (in CS) stored; block I - 3's float steps. */
+#define STEP8(I, A, B, C, CS)                                                                     \
+    do {                                                                                          \
+        const int64_t i_ = (I); /* no prefetch: 9% faster without it here */                     \
+        if (i_ < nb) {                                                                            \
+            _tile_loadd(A, at + i_ * (AMX_ATILE / 2), QG_BLOCK);                                  \
+            _tile_loadd(B, bt + i_ * AMX_TILE, 4 * QG_LANES);                                     \
+            _tile_zero(C);                                                                        \
+            _tile_dpbssd(C, A, B);                                                                \
+        }                                                                                         \
+        if (i_ >= 2 && i_ - 2 < nb) _tile_stored(CS, cb[(i_ - 2) % 3], 4 * QG_LANES);             \
+        if (i_ >= 3 && i_ - 3 < nb) EPILOGUE(i_ - 3, cb[(i_ - 3) % 3], cb[0], 0);                 \
     } while (0)
 
 /* 16 rows (at: their activation tiles, split_rows' layout; sa / sq: their first block's, stride nb)
@@ -215,7 +234,16 @@ tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, const int f, int
                     _tile_dpbusd(T_C3, T_ALO, T_B2);
                 }
             }
-            if (i >= 2) EPILOGUE(i - 2, cb[i & 1], cb[i & 1] + 512);
+            if (i >= 2) EPILOGUE(i - 2, cb[i & 1], cb[i & 1] + 512, 1);
+        }
+    } else if (narrow) { /* one tile product a block, a deeper pipeline: block i's tiles load into
+                          * pair i % 2 and its product runs into C tile i % 4, its sums are stored
+                          * two steps later and its float steps run one step after that */
+        for (int64_t i = 0; i < nb + 3; i += 4) {
+            STEP8(i, T_AHI, T_B, T_C0, T_C2);
+            STEP8(i + 1, T_ALO, T_B2, T_C1, T_C3);
+            STEP8(i + 2, T_AHI, T_B, T_C2, T_C0);
+            STEP8(i + 3, T_ALO, T_B2, T_C3, T_C1);
         }
     } else { /* two sets of C tiles, three stored blocks: block i's products are issued, block
               * i - 2's float steps run, then block i - 1's sums are stored (its products had a
@@ -229,7 +257,7 @@ tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, const int f, int
                 else
                     ISSUE(i, T_C0, T_C1);
             }
-            if (i >= 2) EPILOGUE(i - 2, cb[(i - 2) % 3], cb[0]);
+            if (i >= 2) EPILOGUE(i - 2, cb[(i - 2) % 3], cb[0], 0);
             if (i >= 1 && i - 1 < nb) {
                 if ((i - 1) & 1)
                     STORE(T_C2, T_C3, cb[(i - 1) % 3]);
