@@ -89,41 +89,17 @@ static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* A group's nb blocks as B tiles (bt: nb tiles, Q6_K 2 nb) and each block's 16 lanes' float
- * scales as the int16 kernels compute them: w = d q + m (Q6_K: d for inputs 0-15, m for 16-31). */
+/* A group's nb blocks as B tiles (bt: nb tiles, Q6_K 2 nb: its inputs 0-15 with rows 4-7 zero,
+ * then 16-31 with rows 0-3 zero) and each block's 16 lanes' float scales as the int16 kernels
+ * compute them: w = d q + m (Q6_K: d for inputs 0-15, m for 16-31). */
 static void decode_group(const uint8_t *wg, const int f, int64_t nb, int8_t *bt, __m512 *dv,
                          __m512 *mv) {
-    __m512i pair = _mm512_setzero_si512(); /* word 2l of a row from the first chunk, 2l + 1 the second */
-    {
-        uint16_t ix[32];
-        for (int l = 0; l < 16; l++) {
-            ix[2 * l] = (uint16_t)l;
-            ix[2 * l + 1] = (uint16_t)(16 + l);
-        }
-        pair = _mm512_loadu_si512(ix);
-    }
+    const __m512i pair = quad_pairs();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = block_at(wg, f, b);
         int8_t *t = bt + (f == QF_K6 ? 2 : 1) * b * AMX_TILE;
         __m512i rows[8];
-        if (fmt_bits(f) == 8) {
-            for (int kk = 0; kk < 8; kk++)
-                rows[kk] = _mm512_permutexvar_epi16(pair, _mm512_loadu_si512(blk + 64 * kk));
-        } else {
-            __m256i lo[8], hi[8];
-            for (int j = 0; j < 8; j++) {
-                __m512i wl, wh;
-                decode_chunk_512(blk, f, j, &wl, &wh);
-                lo[j] = _mm512_cvtepi16_epi8(wl);
-                hi[j] = _mm512_cvtepi16_epi8(wh);
-            }
-            for (int kk = 0; kk < 4; kk++) {
-                rows[kk] = _mm512_permutexvar_epi16(
-                    pair, _mm512_inserti64x4(_mm512_castsi256_si512(lo[2 * kk]), lo[2 * kk + 1], 1));
-                rows[4 + kk] = _mm512_permutexvar_epi16(
-                    pair, _mm512_inserti64x4(_mm512_castsi256_si512(hi[2 * kk]), hi[2 * kk + 1], 1));
-            }
-        }
+        block_quads_512(blk, f, pair, rows);
         if (f == QF_K6) {
             const __m512i z = _mm512_setzero_si512();
             for (int kk = 0; kk < 8; kk++) {

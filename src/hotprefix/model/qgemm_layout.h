@@ -155,6 +155,42 @@ static inline __attribute__((always_inline)) void decode_chunk_512(const uint8_t
     *hi = wh;
 }
 
+/* The word permutation quad_rows uses: word 2l of a row from the first chunk, 2l + 1 from the
+ * second. */
+static inline __m512i quad_pairs(void) {
+    uint16_t ix[32];
+    for (int l = 0; l < 16; l++) {
+        ix[2 * l] = (uint16_t)l;
+        ix[2 * l + 1] = (uint16_t)(16 + l);
+    }
+    return _mm512_loadu_si512(ix);
+}
+
+/* A block's values (q of w = D q + M) as int8 in 8 rows of 64 bytes: row kk holds each lane's
+ * inputs 4kk .. 4kk + 3 (4 bytes a lane), the layout of an AMX B tile and of VPDPBUSD's signed
+ * operand. pair: quad_pairs(). */
+static inline __attribute__((always_inline)) void block_quads_512(const uint8_t *blk, const int f,
+                                                                  const __m512i pair, __m512i rows[8]) {
+    if (fmt_bits(f) == 8) {
+        for (int kk = 0; kk < 8; kk++)
+            rows[kk] = _mm512_permutexvar_epi16(pair, _mm512_loadu_si512(blk + 64 * kk));
+        return;
+    }
+    __m256i lo[8], hi[8];
+    for (int j = 0; j < 8; j++) {
+        __m512i wl, wh;
+        decode_chunk_512(blk, f, j, &wl, &wh);
+        lo[j] = _mm512_cvtepi16_epi8(wl);
+        hi[j] = _mm512_cvtepi16_epi8(wh);
+    }
+    for (int kk = 0; kk < 4; kk++) {
+        rows[kk] = _mm512_permutexvar_epi16(
+            pair, _mm512_inserti64x4(_mm512_castsi256_si512(lo[2 * kk]), lo[2 * kk + 1], 1));
+        rows[4 + kk] = _mm512_permutexvar_epi16(
+            pair, _mm512_inserti64x4(_mm512_castsi256_si512(hi[2 * kk]), hi[2 * kk + 1], 1));
+    }
+}
+
 /* Block b's 16 lanes' float scales: w = d q + m (Q6_K: d for inputs 0-15, m = D_hi for 16-31), the
  * K formats' products d * sc exact in fp32. */
 static inline __attribute__((always_inline)) void block_scales_512(const uint8_t *wg,
