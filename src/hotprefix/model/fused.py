@@ -59,7 +59,7 @@ SOURCES = [Path(__file__).with_name(f)
 weight packing (``qlinear.py``), attention, the logits' top-k and argmax, and the scratch buffers
 the kernels keep between calls."""
 HEADERS = [Path(__file__).with_name(f) for f in ("isa.h", "kvpool.h", "attn_chunk.h", "qgemm_layout.h",
-                                                 "scratch.h")]
+                                                 "qgemm_avx2.h", "scratch.h")]
 """Included by the sources (the vector path each level compiles; the KV pool's element types;
 attention's per-chunk arithmetic): part of the build key."""
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]

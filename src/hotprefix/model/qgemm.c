@@ -219,9 +219,26 @@ static void group_rows_c(const uint8_t *wg, int f, int64_t nb, const int16_t *qa
 }
 
 #ifdef HP_AVX512
+/* A group's nb blocks decoded to the int16 kernel's vectors, 16 a block (4- to 6-bit: chunk j's
+ * lo, hi at 2j, 2j + 1; 8-bit: chunk j at j), so that the tiles of a span read them instead of
+ * each decoding them again. */
+static void decode_group16(const uint8_t *wg, const int f, int64_t nb, __m512i *dec) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = block_at(wg, f, b);
+        __m512i *o = dec + 16 * b;
+        if (fmt_bits(f) == 8)
+            for (int j = 0; j < 16; j++)
+                o[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+        else
+            for (int j = 0; j < 8; j++) decode_chunk_512(blk, f, j, &o[2 * j], &o[2 * j + 1]);
+    }
+}
+
+/* dec: the group as decode_group16 left it, or NULL: each block decoded here */
 static inline __attribute__((always_inline)) void group_rows_vnni(
     const uint8_t *wg, const int f, int64_t nb, const int16_t *qa, const float *sa,
-    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
+    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch,
+    const __m512i *dec) {
     const int bits = fmt_bits(f);
     const int64_t qbytes = fmt_qbytes(f);
     const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
@@ -244,7 +261,12 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
         if (bits != 8) {
             for (int j = 0; j < 8; j++) {
                 __m512i wl, wh;
-                decode_chunk_512(blk, f, j, &wl, &wh);
+                if (dec) {
+                    wl = dec[16 * b + 2 * j];
+                    wh = dec[16 * b + 2 * j + 1];
+                } else {
+                    decode_chunk_512(blk, f, j, &wl, &wh);
+                }
                 const int c = chains == 4 ? (j & 1) * 2 : 0, c1 = chains == 1 ? 0 : c + 1;
                 for (int r = 0; r < nr; r++) {
                     const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
@@ -257,7 +279,8 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
             }
         } else {
             for (int j = 0; j < 16; j++) {
-                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
+                __m512i w = dec ? dec[16 * b + j]
+                                : _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 * j)));
                 const int c = j % chains;
                 for (int r = 0; r < nr; r++) {
                     int32_t p;
@@ -290,13 +313,13 @@ static inline __attribute__((always_inline)) void group_rows_vnni(
 }
 
 #define QG_CASE(F, R) \
-    case R: group_rows_vnni(wg, F, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch); break;
+    case R: group_rows_vnni(wg, F, nb, qa, sa, sq, k, R, y, ldy, lanes, fetch, dec); break;
 #define QG_ROWS_OF(F) \
     switch (nr) { QG_CASE(F, 1) QG_CASE(F, 2) QG_CASE(F, 3) QG_CASE(F, 4) QG_CASE(F, 5) QG_CASE(F, 6) } \
     break;
 static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
                        const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
-                       int lanes, int fetch) {
+                       int lanes, int fetch, const __m512i *dec) {
     switch (f) {
     case QF_Q4: QG_ROWS_OF(QF_Q4)
     case QF_Q8: QG_ROWS_OF(QF_Q8)
@@ -307,200 +330,9 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     }
 }
 #elif defined(HP_AVX2)
-/* acc += the int16 pairs' products of w and p (vpdpwssd with AVX-VNNI, else vpmaddwd + vpaddd:
- * the same exact integer sums) */
-#ifdef HP_AVXVNNI
-#define QG_DOT(acc, w, p) _mm256_dpwssd_avx_epi32((acc), (w), (p))
+#include "qgemm_avx2.h"
 #else
-#define QG_DOT(acc, w, p) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (p)))
-#endif
-
-/* 8 int8 at p -> 8 floats */
-static inline __m256 i8_ps(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-/* group_rows_vnni on 256-bit vectors: a group's 16 lanes are two halves (lanes 0-7 from bytes
- * 0-15 of each 32-byte chunk, lanes 8-15 from bytes 16-31), both in registers for up to
- * QG_ROWS_AVX2 rows (a row's two sums, its broadcast pairs shared by them). The integer sums are
- * exact, the float steps per output those of group_rows_c, in its order. */
-#define QG_ROWS_AVX2 4
-static inline __attribute__((always_inline)) void group_rows_avx2(
-    const uint8_t *wg, const int f, int64_t nb, const int16_t *qa, const float *sa,
-    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes, int fetch) {
-    const int bits = fmt_bits(f);
-    const int64_t qbytes = fmt_qbytes(f);
-    const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
-    const __m256i low4 = _mm256_set1_epi16(0x0f);
-    __m256 acc[QG_ROWS_AVX2][2], lo[QG_ROWS_AVX2][2];
-    __m256i u0[QG_ROWS_AVX2], u1[QG_ROWS_AVX2]; /* Q6_K: the sums of inputs 16-31, apart */
-    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = block_at(wg, f, b);
-        const int16_t *ab = qa + b * QG_BLOCK;
-        if (fetch)
-            for (int64_t off = 0; off < qbytes + fmt_scales(f); off += 64)
-                _mm_prefetch((const char *)(blk + ahead + off), _MM_HINT_T0);
-        __m256i s0[QG_ROWS_AVX2], s1[QG_ROWS_AVX2];
-        for (int r = 0; r < nr; r++) s0[r] = s1[r] = u0[r] = u1[r] = _mm256_setzero_si256();
-        if (bits != 8) {
-            for (int j = 0; j < 8; j++) {
-                const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
-                const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
-                __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
-                __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
-                if (bits == 5) { /* Q5_0: q - 16, -16 added where the fifth bit is clear (Q5_K: q) */
-                    const uint8_t *pl = blk + 256 + 32 * (j / 4);
-                    const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
-                    const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
-                    const __m256i ml = _mm256_set1_epi16((short)(1 << (2 * (j % 4))));
-                    const __m256i mh = _mm256_set1_epi16((short)(2 << (2 * (j % 4))));
-                    const __m256i z = _mm256_setzero_si256(), n16 = _mm256_set1_epi16(-16);
-#define QG_Q5(v, h, msk) v = _mm256_add_epi16(v, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, msk), z), n16))
-                    QG_Q5(lo0, h0, ml);
-                    QG_Q5(hi0, h0, mh);
-                    QG_Q5(lo1, h1, ml);
-                    QG_Q5(hi1, h1, mh);
-#undef QG_Q5
-                    if (f == QF_K5) {
-                        const __m256i p16 = _mm256_set1_epi16(16);
-                        lo0 = _mm256_add_epi16(lo0, p16);
-                        hi0 = _mm256_add_epi16(hi0, p16);
-                        lo1 = _mm256_add_epi16(lo1, p16);
-                        hi1 = _mm256_add_epi16(hi1, p16);
-                    }
-                }
-                if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
-                    const uint8_t *pl = blk + 256 + 32 * (j / 2);
-                    const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
-                    const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
-                    const __m128i cl = _mm_cvtsi32_si128(4 * (j % 2)), ch = _mm_cvtsi32_si128(4 * (j % 2) + 2);
-                    const __m256i three = _mm256_set1_epi16(3), n32 = _mm256_set1_epi16(32);
-#define QG_Q6(v, h, c) v = _mm256_sub_epi16(_mm256_add_epi16(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, c), three), 4)), n32)
-                    QG_Q6(lo0, h0, cl);
-                    QG_Q6(hi0, h0, ch);
-                    QG_Q6(lo1, h1, cl);
-                    QG_Q6(hi1, h1, ch);
-#undef QG_Q6
-                }
-                for (int r = 0; r < nr; r++) {
-                    int32_t p0, p1;
-                    memcpy(&p0, ab + r * k + 2 * j, 4);
-                    memcpy(&p1, ab + r * k + 2 * j + 16, 4);
-                    const __m256i a0 = _mm256_set1_epi32(p0), a1 = _mm256_set1_epi32(p1);
-                    if (f == QF_K6) {
-                        s0[r] = QG_DOT(s0[r], lo0, a0);
-                        u0[r] = QG_DOT(u0[r], hi0, a1);
-                        s1[r] = QG_DOT(s1[r], lo1, a0);
-                        u1[r] = QG_DOT(u1[r], hi1, a1);
-                    } else {
-                        s0[r] = QG_DOT(QG_DOT(s0[r], lo0, a0), hi0, a1);
-                        s1[r] = QG_DOT(QG_DOT(s1[r], lo1, a0), hi1, a1);
-                    }
-                }
-            }
-            if (f == QF_K6)
-                for (int r = 0; r < nr; r++) {
-                    lo[r][0] = _mm256_cvtepi32_ps(s0[r]);
-                    lo[r][1] = _mm256_cvtepi32_ps(s1[r]);
-                    s0[r] = u0[r];
-                    s1[r] = u1[r];
-                }
-        } else {
-            for (int j = 0; j < 16; j++) {
-                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
-                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
-                for (int r = 0; r < nr; r++) {
-                    int32_t p;
-                    memcpy(&p, ab + r * k + 2 * j, 4);
-                    const __m256i a = _mm256_set1_epi32(p);
-                    s0[r] = QG_DOT(s0[r], w0, a);
-                    s1[r] = QG_DOT(s1[r], w1, a);
-                }
-            }
-        }
-        __m256 d0, d1, m0, m1;
-        if (fmt_local(f)) {
-            d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
-            d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
-            if (f == QF_Q5) {
-                m0 = m1 = _mm256_setzero_ps();
-            } else {
-                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
-                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
-            }
-        } else {
-            const uint8_t *sup = super_at(wg, f, b), *sc = blk + qbytes;
-            const __m256 dd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
-            const __m256 dd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16)));
-            d0 = _mm256_mul_ps(dd0, i8_ps(sc));
-            d1 = _mm256_mul_ps(dd1, i8_ps(sc + 8));
-            if (f == QF_K6) { /* m: D_hi */
-                m0 = _mm256_mul_ps(dd0, i8_ps(sc + 16));
-                m1 = _mm256_mul_ps(dd1, i8_ps(sc + 24));
-            } else {
-                m0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32))), i8_ps(sc + 16));
-                m1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 48))), i8_ps(sc + 24));
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            const __m256 a = _mm256_set1_ps(sa[r * nb + b]);
-            __m256 c0, c1;
-            if (f == QF_K6) {
-                c0 = _mm256_fmadd_ps(d0, lo[r][0], _mm256_mul_ps(m0, _mm256_cvtepi32_ps(s0[r])));
-                c1 = _mm256_fmadd_ps(d1, lo[r][1], _mm256_mul_ps(m1, _mm256_cvtepi32_ps(s1[r])));
-            } else {
-                const __m256 q = _mm256_set1_ps(sq[r * nb + b]);
-                c0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(m0, q));
-                c1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(m1, q));
-            }
-            acc[r][0] = _mm256_fmadd_ps(a, c0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, c1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        if (lanes == QG_LANES) {
-            _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-        } else {
-            float t[QG_LANES];
-            _mm256_storeu_ps(t, acc[r][0]);
-            _mm256_storeu_ps(t + 8, acc[r][1]);
-            memcpy(y + r * ldy, t, (size_t)lanes * sizeof(float));
-        }
-    }
-}
-
-#define QG_CASE(F)                                                                        \
-    switch (n) {                                                                          \
-    case 1: group_rows_avx2(wg, F, nb, q, a, s, k, 1, out, ldy, lanes, fetch); break;     \
-    case 2: group_rows_avx2(wg, F, nb, q, a, s, k, 2, out, ldy, lanes, fetch); break;     \
-    case 3: group_rows_avx2(wg, F, nb, q, a, s, k, 3, out, ldy, lanes, fetch); break;     \
-    default: group_rows_avx2(wg, F, nb, q, a, s, k, 4, out, ldy, lanes, fetch); break;    \
-    }                                                                                     \
-    break;
-static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
-                       const float *sa, const float *sq, int64_t k, int nr, float *y, int64_t ldy,
-                       int lanes, int fetch) {
-    const int pass = f == QF_K6 ? 2 : QG_ROWS_AVX2; /* Q6_K keeps twice the sums a row */
-    for (int r0 = 0; r0 < nr; r0 += pass) { /* the tile in passes of up to 4 rows */
-        const int n = nr - r0 < pass ? nr - r0 : pass;
-        const int16_t *q = qa + r0 * k;
-        const float *a = sa + r0 * nb, *s = sq + r0 * nb;
-        float *out = y + r0 * ldy;
-        switch (f) {
-        case QF_Q4: QG_CASE(QF_Q4)
-        case QF_Q8: QG_CASE(QF_Q8)
-        case QF_K4: QG_CASE(QF_K4)
-        case QF_K5: QG_CASE(QF_K5)
-        case QF_Q5: QG_CASE(QF_Q5)
-        default: QG_CASE(QF_K6)
-        }
-        fetch = 0; /* the first pass brought the group's weights in */
-    }
-}
-#else
-#define group_rows(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes, fetch) \
+#define group_rows(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes, fetch, dec) \
     group_rows_c(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes)
 #endif
 
@@ -520,10 +352,19 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
             const int lanes = group_lanes(n, g);
             int f;
             const uint8_t *wg = group_at(w, g, &f);
+            /* a span of several tiles: a group of 5- or 6-bit blocks decoded once, into the thread's
+             * scratch (their decode cost ~40% of a tile's work; 4- and 8-bit blocks decode faster
+             * than they load back) */
+            void *dec = NULL;
+#if defined(HP_AVX512) || defined(HP_AVX2)
+            if (r1 - r0 > QG_ROWS && (fmt_bits(f) == 5 || fmt_bits(f) == 6) &&
+                (dec = hp_scratch(SCR_GEMM_DECODED, (size_t)(nb * 1024))))
+                decode_group16(wg, f, nb, dec);
+#endif
             for (int64_t r = r0; r < r1; r += QG_ROWS) {
                 int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
                 group_rows(wg, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
-                           y + r * n + g * QG_LANES, n, lanes, r == r0);
+                           y + r * n + g * QG_LANES, n, lanes, r == r0 && !dec, dec);
             }
         }
     }

@@ -9,6 +9,7 @@
 
 enum {
     SCR_LINEAR,      /* qg_linear: the int16 activations and their block scales */
+    SCR_GEMM_DECODED, /* qg_gemm: each thread's decoded group (a span of several tiles) */
     SCR_AMX,         /* qg_linear_amx: the same, and the activation tiles */
     SCR_AMX_DECODED, /* qg_linear_amx: each thread's decoded B tiles */
     SCR_VNNI8,       /* qg_gemm8: the activations as unsigned bytes */
