@@ -308,7 +308,8 @@ def parse_args():
                     help="sequences of the batch decode (default 16, --quick 4; 0 leaves it out)")
     ap.add_argument("--isa", default="",
                     help="comma-separated kernel levels (isa.py: avx2, avxvnni, avx512, amx) at which our "
-                         "default configuration also runs, as contenders of their own in the same run")
+                         "default configuration also runs, as contenders of their own in the same run; "
+                         "LABEL@LEVEL runs a MODES label there (a8@avx512)")
     ap.add_argument("--no-repack", action="store_true",
                     help="leave out llama.cpp with its default weight repacking (run with --repack 1 "
                          "beside --repack 0; dropped from the run if it fails on this CPU)")
@@ -386,19 +387,23 @@ def main() -> None:
                                              prefill_only=m.get("prefill_only", False)))
     ours = contenders[0].name  # the default configuration: the targets are about it
     levels = {ours: fused.library().isa}
-    for level in [x for x in args.isa.split(",") if x and x != levels[ours]]:
+    for entry in [x for x in args.isa.split(",") if x and x != levels[ours]]:
+        label, _, level = entry.rpartition("@")  # LEVEL (our default) or LABEL@LEVEL (a mode's)
+        options = (hotprefix_modes(args)[0] if label in ("", "default") else
+                   next(m for m in MODES if m["label"] == label))["options"]
         saved = os.environ.get(isa.ISA_ENV)
         os.environ[isa.ISA_ENV] = level  # the kernels are chosen when a model is built
         try:
             llm = common.load_hotprefix(args.threads, model=args.model, enable_prefix_caching=False,
-                                        max_num_batched_tokens=max_batched, **hotprefix_modes(args)[0]["options"])
+                                        max_num_batched_tokens=max_batched, **options)
         finally:
             if saved is None:
                 os.environ.pop(isa.ISA_ENV)
             else:
                 os.environ[isa.ISA_ENV] = saved
-        name = f"{mode_name('default', llm)} [{level}]"
-        levels[name] = level
+        name = f"{mode_name(label or 'default', llm)} [{level}]"
+        if label in ("", "default"):  # the roofline's peaks are the int16 kernels'
+            levels[name] = level
         contenders.append(HotprefixContender(name, llm))
     if not args.no_transformers:
         contenders.append(TransformersContender(common.load_transformers(args.model)))
