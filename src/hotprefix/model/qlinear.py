@@ -11,8 +11,12 @@ block adds ``scale_a * (d * S + m * sum(qa))`` to its output with two FMAs, bloc
 order is the same for every row count, tile and thread count, and the integer sums are exact, so a
 row's bits never depend on what shares its step (cold == warm), and the portable C path gives the
 vector path's bits. The 16-bit activations keep quality: an activation keeps 15 bits against its
-block's largest, where an 8-bit one (llama.cpp's Q8_1 activations) costs 3 points of top-1 on the
-quality benchmark (measured: 96.97% against 99.80%).
+block's largest, where an 8-bit one (llama.cpp's width) costs 3 points of top-1 on the quality
+benchmark (96.83% against 99.85%). 8 bits are an option (``ModelConfig.activations``, tag ``a8``):
+a ``QuantWeight`` built ``narrow`` carries the flag in its table, its activations are rounded to
++-127 (still held as int16, so every int16 kernel computes the same bits), and the AMX tiles
+(``qgemm_amx.c``: one tile product a block) and AVX-512 VNNI (``qgemm_vnni8.c``: ``vpdpbusd``)
+run it faster.
 
 Tensors stored in another type (F16, F32, Q5_1, Q2_K, Q3_K ...) run through the ``mixed`` mode's
 fp32 GEMM (the loader logs which, and their fp32 size).
