@@ -12,61 +12,6 @@
 #define QG_DOT(acc, w, p) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (p)))
 #endif
 
-/* 8 int8 at p -> 8 floats */
-static inline __m256 i8_ps(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-/* Chunk j (< 8) of a 4-, 5- or 6-bit block's values as int16 (the value q of w = D q + M), lanes
- * 0-7 in lo0 / hi0 (inputs 2j, 2j + 1 / 2j + 16, 2j + 17) and lanes 8-15 in lo1 / hi1. */
-static inline __attribute__((always_inline)) void decode_chunk_256(const uint8_t *blk, const int f,
-                                                                   int j, __m256i *plo0, __m256i *phi0,
-                                                                   __m256i *plo1, __m256i *phi1) {
-    const int bits = fmt_bits(f);
-    const __m256i low4 = _mm256_set1_epi16(0x0f);
-    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j)));
-    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 * j + 16)));
-    __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_srli_epi16(w0, 4);
-    __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_srli_epi16(w1, 4);
-    if (bits == 5) { /* Q5_0: q - 16, -16 added where the fifth bit is clear (Q5_K: q) */
-        const uint8_t *pl = blk + 256 + 32 * (j / 4);
-        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
-        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
-        const __m256i ml = _mm256_set1_epi16((short)(1 << (2 * (j % 4))));
-        const __m256i mh = _mm256_set1_epi16((short)(2 << (2 * (j % 4))));
-        const __m256i z = _mm256_setzero_si256(), n16 = _mm256_set1_epi16(-16);
-#define QG_Q5(v, h, msk) v = _mm256_add_epi16(v, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, msk), z), n16))
-        QG_Q5(lo0, h0, ml);
-        QG_Q5(hi0, h0, mh);
-        QG_Q5(lo1, h1, ml);
-        QG_Q5(hi1, h1, mh);
-#undef QG_Q5
-        if (f == QF_K5) {
-            const __m256i p16 = _mm256_set1_epi16(16);
-            lo0 = _mm256_add_epi16(lo0, p16);
-            hi0 = _mm256_add_epi16(hi0, p16);
-            lo1 = _mm256_add_epi16(lo1, p16);
-            hi1 = _mm256_add_epi16(hi1, p16);
-        }
-    }
-    if (bits == 6) { /* Q6_K: q - 32 = nibble + 16 x its two top bits - 32 */
-        const uint8_t *pl = blk + 256 + 32 * (j / 2);
-        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pl));
-        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pl + 16)));
-        const __m128i cl = _mm_cvtsi32_si128(4 * (j % 2)), ch = _mm_cvtsi32_si128(4 * (j % 2) + 2);
-        const __m256i three = _mm256_set1_epi16(3), n32 = _mm256_set1_epi16(32);
-#define QG_Q6(v, h, c) v = _mm256_sub_epi16(_mm256_add_epi16(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, c), three), 4)), n32)
-        QG_Q6(lo0, h0, cl);
-        QG_Q6(hi0, h0, ch);
-        QG_Q6(lo1, h1, cl);
-        QG_Q6(hi1, h1, ch);
-#undef QG_Q6
-    }
-    *plo0 = lo0;
-    *phi0 = hi0;
-    *plo1 = lo1;
-    *phi1 = hi1;
-}
 
 /* A group's nb blocks decoded to the AVX2 kernel's vectors, 32 a block (4- to 6-bit: chunk j's
  * lo0, hi0, lo1, hi1 at 4j .. 4j + 3; 8-bit: chunk j's two halves at 2j, 2j + 1), so that the
@@ -158,29 +103,7 @@ static inline __attribute__((always_inline)) void group_rows_avx2(
             }
         }
         __m256 d0, d1, m0, m1;
-        if (fmt_local(f)) {
-            d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes)));
-            d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16)));
-            if (f == QF_Q5) {
-                m0 = m1 = _mm256_setzero_ps();
-            } else {
-                m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32)));
-                m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 48)));
-            }
-        } else {
-            const uint8_t *sup = super_at(wg, f, b), *sc = blk + qbytes;
-            const __m256 dd0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
-            const __m256 dd1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16)));
-            d0 = _mm256_mul_ps(dd0, i8_ps(sc));
-            d1 = _mm256_mul_ps(dd1, i8_ps(sc + 8));
-            if (f == QF_K6) { /* m: D_hi */
-                m0 = _mm256_mul_ps(dd0, i8_ps(sc + 16));
-                m1 = _mm256_mul_ps(dd1, i8_ps(sc + 24));
-            } else {
-                m0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32))), i8_ps(sc + 16));
-                m1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 48))), i8_ps(sc + 24));
-            }
-        }
+        block_scales_256(wg, blk, f, b, &d0, &d1, &m0, &m1);
         for (int r = 0; r < nr; r++) {
             const __m256 a = _mm256_set1_ps(sa[r * nb + b]);
             __m256 c0, c1;
