@@ -53,7 +53,7 @@ from hotprefix.model.kv_dtype import kv_dtype_of
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qgemm_vnni8.c", "qlayer.c", "qpack.c",
+           for f in ("isa.c", "fused.c", "qgemm.c", "qgemm_amx.c", "qgemm_a8.c", "qlayer.c", "qpack.c",
                      "attn.c", "select.c", "scratch.c")]
 """The ISA level's name, the elementwise kernels, the ``gguf`` weight mode's GEMM, layer calls and
 weight packing (``qlinear.py``), attention, the logits' top-k and argmax, and the scratch buffers

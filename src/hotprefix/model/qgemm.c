@@ -56,7 +56,7 @@
 #define QG_AMX_MIN_ROWS 32 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can: at 16 a
                             * batch-16 decode step ran 0.93x the AVX-512 path (each step decodes every
                             * group into tiles for one tile of rows) */
-#define QG_VNNI8_MIN_ROWS 8 /* rows from which narrow weights take qgemm_vnni8.c's VPDPBUSD path */
+#define QG_VNNI8_MIN_ROWS 8 /* rows from which narrow weights take qgemm_a8.c's VPDPBUSD path */
 #define QG_AMX_TAIL 8      /* most rows past the last whole 16 that the vector path takes instead */
 
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.

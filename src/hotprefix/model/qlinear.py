@@ -15,7 +15,7 @@ block's largest, where an 8-bit one (llama.cpp's width) costs 3 points of top-1 
 benchmark (96.83% against 99.85%). 8 bits are an option (``ModelConfig.activations``, tag ``a8``):
 a ``QuantWeight`` built ``narrow`` carries the flag in its table, its activations are rounded to
 +-127 (still held as int16, so every int16 kernel computes the same bits), and the AMX tiles
-(``qgemm_amx.c``: one tile product a block) and AVX-512 VNNI (``qgemm_vnni8.c``: ``vpdpbusd``)
+(``qgemm_amx.c``: one tile product a block) and AVX-512 VNNI (``qgemm_a8.c``: ``vpdpbusd``)
 run it faster.
 
 Tensors stored in another type (F16, F32, Q5_1, Q2_K, Q3_K ...) run through the ``mixed`` mode's
