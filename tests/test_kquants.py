@@ -239,3 +239,25 @@ def test_a_matrix_without_a_block_kernel_is_dequantized_and_logged(tmp_path, cap
     assert model.weight_mode == "gguf" and model.quant_layers is None
     assert isinstance(model.layers[1]["gate_up"], QuantWeight)
     assert not isinstance(model.layers[1]["down"], QuantWeight)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_8_bit_products_at_their_bounds_keep_the_portable_bits(level):
+    """The byte-product paths' worst case (qgemm_a8.c): every Q6_K value at -32 or +31 against
+    activations at +127 and -127 (stored as 255 and 1), so each VPMADDUBSW pair sum reaches
+    +-16,320 and two added +-32,640: nothing may saturate or wrap. At each level, equal to the
+    portable reference, and to the exact sum of the integer products."""
+    n, k = 32, 512
+    raw = np.zeros((n, k // 256, BLOCK_BYTES["Q6_K"]), np.uint8)  # ql = qh = 0: q = -32
+    raw[16:, :, :192] = 0xFF  # lanes 16-31: q = 63 - 32 = 31
+    raw[..., 192:208] = 1  # every 16-input scale 1
+    raw[..., 208:210] = np.array([1.0], np.float16).view(np.uint8)  # d = 1
+    raw = raw.reshape(n, -1)
+    w = QuantWeight([("Q6_K", raw)], k, narrow=True)
+    x = torch.ones(40, k)
+    x[20:] = -1.0  # rows 20-39: every activation -127
+    x[10:20, ::2] = -1.0  # rows 10-19: +127 and -127 alternating
+    y = QuantLinear(library(level), None)(x, w, None)
+    assert same_bits(y, QuantLinear(library("portable"), None)(x, w, None))
+    q = torch.where(torch.arange(n) < 16, -32.0, 31.0)
+    assert torch.equal(y, x @ torch.ones(k, 1) * q)  # 127 * (1 / 127) per input, exact here
