@@ -97,11 +97,11 @@ class ModelConfig:
     measured by ``benchmarks/bench_quality.py``."""
     activations: str = "int16"
     """What the ``gguf`` mode's layer GEMMs round their inputs to, per block of 32: ``int16`` (top-1
-    agreement with fp32 within a fraction of a point) or ``int8`` (llama.cpp's width: on CPUs with
-    AMX one int8 tile product a block instead of two, about 1.3-1.4x the prefill of a 1B Q4_K_M;
-    3 points lower top-1 agreement on SmolLM2-135M, ``benchmarks/bench_quality.py``). Its own cache
-    namespace (``a8``): never mixed with int16 entries. The LM head keeps 16 bits; other CPUs
-    compute int8's same bits at int16's speed. Ignored outside the ``gguf`` mode."""
+    agreement with fp32 within a fraction of a point) or ``int8`` (llama.cpp's width: byte products,
+    one AMX tile product a block instead of two, ``vpdpbusd`` on AVX-512 VNNI, ``vpmaddubsw`` on
+    AVX2: 1.3-1.6x the prefill of a 1B Q4_K_M; 3 points lower top-1 agreement on SmolLM2-135M and
+    Gemma 3 270M, ``benchmarks/bench_quality.py``). Its own cache namespace (``a8``): never mixed
+    with int16 entries. The LM head keeps 16 bits. Ignored outside the ``gguf`` mode."""
     num_threads: int | None = None
     """CPU threads for torch; None leaves torch's default (OMP_NUM_THREADS)."""
     deterministic: bool = False
