@@ -78,6 +78,22 @@ def test_a_stack_keeps_each_groups_format_and_refuses_a_shared_k_group():
         QuantWeight([(k, r[:24]) for k, r, _ in parts[:2]], 256)  # rows 16-31: Q4_K and Q6_K
 
 
+def _bits_alone(lin, x, w, slices) -> torch.Tensor:
+    """``lin(x, w)``, checked to give each slice of rows its bits alone, on one thread, and the
+    portable reference's bits (both its C reference and the portable level's library)."""
+    full = lin(x, w, None)
+    for lo, hi in slices:
+        assert same_bits(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
+    torch.set_num_threads(1)
+    try:
+        assert same_bits(lin(x, w, None), full)
+    finally:
+        torch.set_num_threads(2)
+    assert same_bits(lin.reference(x, w), full)
+    assert same_bits(QuantLinear(library("portable"), None)(x, w, None), full)
+    return full
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
     """At each ISA level, on a stack of every new format with a partial last group: a row's bits
@@ -91,16 +107,7 @@ def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(37, 512, generator=g) * torch.logspace(-2, 2, 512)
     x[3, :32] *= 1e5  # one block far above the rest
-    full = lin(x, w, None)
-    for lo, hi in [(0, 1), (5, 6), (3, 8), (0, 6), (5, 18), (1, 37), (2, 17)]:
-        assert same_bits(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
-    torch.set_num_threads(1)
-    try:
-        assert same_bits(lin(x, w, None), full)
-    finally:
-        torch.set_num_threads(2)
-    assert same_bits(lin.reference(x, w), full)
-    assert same_bits(QuantLinear(library("portable"), None)(x, w, None), full)
+    full = _bits_alone(lin, x, w, [(0, 1), (5, 6), (3, 8), (0, 6), (5, 18), (1, 37), (2, 17)])
     ref = x.double() @ deq.double().T
     err = ((full.double() - ref).abs() / (x.double().abs() @ deq.double().abs().T).clamp(min=1e-30)).max()
     assert err < 2e-4, err.item()
@@ -121,16 +128,7 @@ def test_8_bit_activations_give_the_portable_bits_on_every_format(level):
     lin = QuantLinear(library(level), None)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 2, 512)
     x[3, :32] *= 1e5
-    full = lin(x, w, None)
-    for lo, hi in [(0, 1), (5, 6), (0, 6), (5, 18), (1, 37), (2, 70), (32, 64)]:
-        assert same_bits(lin(x[lo:hi], w, None), full[lo:hi]), (lo, hi)
-    torch.set_num_threads(1)
-    try:
-        assert same_bits(lin(x, w, None), full)
-    finally:
-        torch.set_num_threads(2)
-    assert same_bits(lin.reference(x, w), full)
-    assert same_bits(QuantLinear(library("portable"), None)(x, w, None), full)
+    full = _bits_alone(lin, x, w, [(0, 1), (5, 6), (0, 6), (5, 18), (1, 37), (2, 70), (32, 64)])
     assert not same_bits(QuantLinear(library(level), None)(x, QuantWeight([(k, r) for k, r, _ in parts], 512), None), full)
 
 

@@ -56,7 +56,7 @@
 #define QG_AMX_MIN_ROWS 32 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can: at 16 a
                             * batch-16 decode step ran 0.93x the AVX-512 path (each step decodes every
                             * group into tiles for one tile of rows) */
-#define QG_VNNI8_MIN_ROWS 8 /* rows from which narrow weights take qgemm_a8.c's VPDPBUSD path */
+#define QG_A8_MIN_ROWS 8 /* rows from which narrow weights take qgemm_a8.c's VPDPBUSD path */
 #define QG_AMX_TAIL 8      /* most rows past the last whole 16 that the vector path takes instead */
 
 /* One 32-wide block of a row: q = rint(v * (QMAX / amax)) clamped to +-QMAX, its scale and sum.
@@ -396,7 +396,7 @@ int qg_linear(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t ro
     float *sa = (float *)(qa + rows * k), *sq = sa + rows * nb;
     const int narrow = group_narrow(w);
     qg_quantize_rows(x, qa, sa, sq, rows, k, narrow, threads);
-    if (narrow && rows >= QG_VNNI8_MIN_ROWS) { /* 8-bit activations: VPDPBUSD where it builds */
+    if (narrow && rows >= QG_A8_MIN_ROWS) { /* 8-bit activations: VPDPBUSD where it builds */
         const int err = qg_gemm8(w, n, k, qa, sa, sq, rows, y, threads);
         if (err <= 0) return err;
     }

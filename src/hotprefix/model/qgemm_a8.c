@@ -240,14 +240,14 @@ int qg_gemm8(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
         if (fmt_bits(f) == 8) return 1;
     }
 #endif
-    uint8_t *au = hp_scratch(SCR_VNNI8, (size_t)(rows * k));
+    uint8_t *au = hp_scratch(SCR_A8, (size_t)(rows * k));
     if (!au) return -1;
     const int team = rows * n * k >= QG8_PAR_MIN ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(team) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < k; i++) au[r * k + i] = (uint8_t)(qa[r * k + i] + 128);
     const int64_t per = nb * QG8_DECODED; /* a thread's decoded group */
-    int8_t *decoded = hp_scratch(SCR_VNNI8_DECODED, (size_t)(team * per));
+    int8_t *decoded = hp_scratch(SCR_A8_DECODED, (size_t)(team * per));
     if (!decoded) return -1;
     int64_t span;
     const int64_t spans = even_spans(rows, QG8_SPAN, QG8_ROWS, &span);

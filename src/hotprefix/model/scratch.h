@@ -12,8 +12,8 @@ enum {
     SCR_GEMM_DECODED, /* qg_gemm: each thread's decoded group (a span of several tiles) */
     SCR_AMX,         /* qg_linear_amx: the same, and the activation tiles */
     SCR_AMX_DECODED, /* qg_linear_amx: each thread's decoded B tiles */
-    SCR_VNNI8,       /* qg_gemm8: the activations as unsigned bytes */
-    SCR_VNNI8_DECODED, /* qg_gemm8: each thread's decoded group */
+    SCR_A8,       /* qg_gemm8: the activations as unsigned bytes */
+    SCR_A8_DECODED, /* qg_gemm8: each thread's decoded group */
     SCR_LAYER_PRE,   /* qg_layer_pre: the normed rows and Q/K/V */
     SCR_LAYER_POST,  /* qg_layer_post: attention's projection, normed rows, gate/up, the MLP input */
     SCR_LAYERS,      /* qg_layers: queries, attention output, the pending MLP output */
