@@ -253,11 +253,16 @@ def row_addresses(raw: np.ndarray) -> np.ndarray:
     return raw.ctypes.data + off.reshape(-1)
 
 
-def pack_weight(parts: list[tuple[str, np.ndarray]], k: int,
-                fill: Fill | None = None) -> tuple[np.ndarray, tuple[int, ...]]:
+NARROW_FLAG = 8
+"""Bit of a table entry that marks a weight whose products take 8-bit activations
+(``qgemm_layout.h``'s group_narrow); the format is the entry's low 3 bits."""
+
+
+def pack_weight(parts: list[tuple[str, np.ndarray]], k: int, fill: Fill | None = None,
+                narrow: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
     """Tensors stacked along the output dimension, each (GGUF type, raw bytes [..., bytes a row])
-    -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups;
-    each group's format). The groups are written by ``fill`` (``qpack.c``), or without it by the
+    -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups, with
+    ``NARROW_FLAG`` in every entry when ``narrow``; each group's format). The groups are written by ``fill`` (``qpack.c``), or without it by the
     numpy reference (``pack_groups_reference``); either way the rows' pages of a read-only file
     map are dropped afterwards (``release_pages``). Raises PackError for a group mixing a k-quant
     with another type, ValueError for rows whose length is not whole blocks of ``k`` inputs."""
@@ -268,7 +273,7 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int,
     groups = len(fmts)
     sizes_g = np.array([group_bytes(f, k // BLOCK) for f in fmts], np.int64)
     offsets = 8 * groups + np.concatenate([[0], np.cumsum(sizes_g)[:-1]]).astype(np.int64)
-    head = (offsets << 4) | np.array(fmts, np.int64)
+    head = (offsets << 4) | np.array(fmts, np.int64) | (NARROW_FLAG if narrow else 0)
     if fill is None:
         buf = np.concatenate([head.view(np.uint8), *pack_groups_reference(parts, k, fmts)])
     else:
@@ -350,7 +355,7 @@ def unpack_weight(buf: np.ndarray, n: int, k: int) -> np.ndarray:
     head = np.ascontiguousarray(buf[:8 * groups]).view(np.int64)
     out = np.empty((groups * LANES, k), np.float32)
     for g in range(groups):
-        fmt, off = int(head[g] & 7), int(head[g] >> 4)
+        fmt, off = int(head[g] & (NARROW_FLAG - 1)), int(head[g] >> 4)
         raw = buf[off:off + group_bytes(fmt, nb)]
         bits = 8 if fmt == QF_Q8 else 4  # the low nibbles; Q5_0, Q5_K and Q6_K add their planes
         qbytes = {QF_Q4: 256, QF_K4: 256, QF_K5: 320, QF_K6: 384}.get(fmt, 512)

@@ -122,16 +122,16 @@ static inline __m512i tile_sum(const int32_t *c, int r, const int narrow) {
 }
 
 /* block B's two tile products (16-bit activations: high bytes x q, low bytes x q) into C tiles CH
- * and CL, its weights in B tile TB */
-#define ISSUE(B, CH, CL, TB)                                                   \
+ * and CL */
+#define ISSUE(B, CH, CL)                                                       \
     do {                                                                       \
         _tile_loadd(T_AHI, at + (B) * AMX_ATILE, QG_BLOCK);                    \
         _tile_loadd(T_ALO, at + (B) * AMX_ATILE + AMX_ATILE / 2, QG_BLOCK);    \
-        _tile_loadd(TB, bt + (B) * AMX_TILE, 4 * QG_LANES);                    \
+        _tile_loadd(T_B, bt + (B) * AMX_TILE, 4 * QG_LANES);                   \
         _tile_zero(CH);                                                        \
         _tile_zero(CL);                                                        \
-        _tile_dpbssd(CH, T_AHI, TB);                                           \
-        _tile_dpbusd(CL, T_ALO, TB);                                           \
+        _tile_dpbssd(CH, T_AHI, T_B);                                          \
+        _tile_dpbusd(CL, T_ALO, T_B);                                          \
     } while (0)
 #define STORE(CH, CL, BUF)                                                     \
     do {                                                                       \
@@ -227,9 +227,9 @@ tile_rows(const int8_t *bt, const __m512 *dv, const __m512 *mv, const int f, int
                 for (int c = 0; c < atile; c += 64) _mm_prefetch((const char *)(at + (i + AMX_AHEAD) * atile + c), _MM_HINT_T0);
             if (i < nb) {
                 if (i & 1)
-                    ISSUE(i, T_C2, T_C3, T_B);
+                    ISSUE(i, T_C2, T_C3);
                 else
-                    ISSUE(i, T_C0, T_C1, T_B);
+                    ISSUE(i, T_C0, T_C1);
             }
             if (i >= 2) EPILOGUE(i - 2, cb[(i - 2) % 3], cb[0], 0);
             if (i >= 1 && i - 1 < nb) {

@@ -54,11 +54,8 @@ class QuantWeight:
         ``narrow``: its products round their activations to 8 bits (+-127) instead of 16 (the
         flag in every entry of the buffer's table, which the kernels read).
         Raises ``gguf_blocks.PackError`` for a stack the layout cannot hold."""
-        buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib))
+        buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib), narrow)
         self.narrow = bool(narrow)
-        if narrow:
-            groups = -(-sum(block_rows(raw) for _, raw in blocks) // LANES)
-            buf[:8 * groups].view(np.int64)[:] |= 8
         self.n, self.k = sum(block_rows(raw) for _, raw in blocks), k
         self.packed = torch.from_numpy(buf)
         self.nbytes = self.packed.numel()
