@@ -216,6 +216,42 @@ def test_a_k_quant_gguf_loads_in_the_gguf_mode_near_its_file_size(tmp_path):
     assert same_bits(run(quant, ids[:23]), fast[:23])
 
 
+def test_the_one_call_layers_follow_new_pools_at_old_addresses(tmp_path):
+    """The one-call layers keep their table of each layer's weights and pools between steps: a step
+    whose pools differ from the previous step's in any tensor (here new V pools beside the old K
+    pools, as when freed pools' memory is handed out again in another order) writes and reads the
+    new pools, never the old ones (a kept V pointer once wrote into freed memory)."""
+    from hotprefix.model.attention import AttentionMetadata, PrefillSeq
+    from hotprefix.model.llama import LlamaModel
+    from hotprefix.model.loader import load_model
+
+    kinds = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+             "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    _write_gguf(tmp_path / "tiny-pools.gguf", kinds)
+    loaded = load_model(str(tmp_path / "tiny-pools.gguf"))
+    model = LlamaModel(loaded.arch, loaded.weights, torch.device("cpu"), torch.bfloat16, "gguf", True,
+                       loaded.blocks)
+    ids = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(5))
+    meta = AttentionMetadata(slot_mapping=torch.arange(30), prefills=[PrefillSeq(0, 30, 30, torch.arange(4))])
+
+    def pool():
+        return torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+
+    for all_layers in (True, False):
+        model.all_layers_call = all_layers
+        first = [(pool(), pool()) for _ in range(2)]
+        logits = model.forward(ids, torch.arange(30), first, meta, None)
+        for swap in ("v", "k"):
+            pools = [(k, pool()) if swap == "v" else (pool(), v) for k, v in first]
+            again = model.forward(ids, torch.arange(30), pools, meta, None)
+            assert same_bits(again, logits)
+            for (k0, v0), (k1, v1) in zip(first, pools):
+                assert v0.abs().sum() > 0 and k0.abs().sum() > 0
+                assert torch.equal(k1, k0) and torch.equal(v1, v0), (all_layers, swap)
+            first = pools
+    assert model.quant_layers is not None and model.c_attention
+
+
 def test_a_matrix_without_a_block_kernel_is_dequantized_and_logged(tmp_path, caplog):
     """An F16 down projection beside k-quant matrices: the loader says which type has no kernel
     and what it costs in fp32; the model multiplies it through the fp32-input GEMM, the rest on

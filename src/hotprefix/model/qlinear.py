@@ -184,7 +184,9 @@ class QuantLayers:
         set of pools: the tensors they point at live as long as the model), then its KV group's
         slot mapping and attention rows for this step; with the step's tensors it points at (kept
         alive by the caller)."""
-        key = tuple(kc.data_ptr() for kc, _ in kv_caches)
+        # every pool value the base holds: new pools may reuse some old addresses (freed pools'
+        # memory handed out again) and not others, and a kept pointer would write into freed memory
+        key = tuple((kc.data_ptr(), vc.data_ptr(), kc.shape[0]) for kc, vc in kv_caches)
         if self._base is None or key != self._base_key:
             base = [[self._ptr(layer.get(n)) for n in self.STATIC]
                     + [rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0], window,
