@@ -9,6 +9,8 @@ WORKERS ?= 2
 # OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep at a barrier instead of spinning; with 2 workers x 2 threads on
 # 2 cores the spinning burnt the CPU the other worker needed (one process, 4 real-model generations at load ~17:
 # 26.9 s of CPU spinning, 2.7 s passive, 3.3 s with 1 thread)
+# --max-worker-restart=0: a worker that crashes fails the run at once (xdist would start new workers that rerun
+# the crashed file, and a run once spent CI's whole time so)
 # tests marked slow (over a minute of CPU for one check) are left out; `make test MARKS=slow` runs them
 MARKS ?= not slow
 
@@ -29,7 +31,7 @@ generate: $(STAMP)
 	$(BIN)/hotprefix generate "What is the capital of France?"
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$(THREADS) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile -m "$(MARKS)" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(THREADS) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile --max-worker-restart=0 -m "$(MARKS)" $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not model" $(PYTEST_ARGS)
