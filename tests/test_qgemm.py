@@ -424,3 +424,59 @@ def test_scratch_is_kept_per_thread_and_released():
     LIB.qg_scratch_release()
     assert LIB.qg_scratch_bytes() == 0
     assert torch.equal(run(), first)
+
+
+def _native_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_thread_that_hands_the_kernels_over_frees_its_scratch_and_workers(tiny_model_dir):
+    """``qg_thread_release`` frees the calling thread's scratch and its OpenMP worker threads (an
+    idle team left on a loading thread made libgomp throttle the serving thread's spin-waits); the
+    thread's next product makes both again, with the same result. ``AsyncEngine.start`` does it
+    for the thread that starts the engine thread."""
+    import threading
+    import time
+
+    from hotprefix.engine.async_engine import AsyncEngine
+    from hotprefix.engine.engine import LLMEngine
+    from server_support import tiny_config
+
+    _, raw, _ = make_blocks("Q4_1", 64, 256, seed=3)
+    w = QuantWeight([("Q4_1", raw)], 256, LIB)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+
+    def run() -> torch.Tensor:
+        y = torch.empty(40, 64)
+        assert LIB.qg_linear(w.packed.data_ptr(), 64, 256, x.data_ptr(), 40, y.data_ptr(), 2) == 0
+        return y
+
+    def fewer_threads_than(n: int) -> bool:  # a released worker exits after its last barrier
+        deadline = time.monotonic() + 30
+        while _native_threads() >= n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return _native_threads() < n
+
+    seen: dict = {}
+
+    def loader():  # a fresh thread: its OpenMP team is its own
+        before = _native_threads()
+        first = run()
+        seen["team"] = _native_threads() - before  # the team's worker (2 threads asked)
+        seen["kept"] = LIB.qg_scratch_bytes()
+        seen["released"] = LIB.qg_thread_release()
+        seen["scratch"] = LIB.qg_scratch_bytes()
+        seen["gone"] = fewer_threads_than(before + 1)
+        seen["same"] = torch.equal(run(), first)  # made again on demand
+        aengine = AsyncEngine(LLMEngine(tiny_config(tiny_model_dir))).start()
+        seen["after_start"] = LIB.qg_scratch_bytes()  # the engine thread now runs the model
+        aengine.shutdown()
+
+    t = threading.Thread(target=loader)
+    t.start()
+    t.join()
+    assert seen["team"] >= 1 and seen["kept"] > 0
+    assert seen["released"] == 0 and seen["scratch"] == 0 and seen["gone"]
+    assert seen["same"] and seen["after_start"] == 0

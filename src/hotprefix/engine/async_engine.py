@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 
 from hotprefix.engine.engine import LLMEngine, RequestOutput
 from hotprefix.engine.request import Request
+from hotprefix.model.fused import release_thread
 from hotprefix.request.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AsyncEngine":
+        """Start the engine thread; from here on it alone runs the model, so the calling thread
+        (which loaded it) gives up its kernel scratch and idle OpenMP workers
+        (``fused.release_thread``: they made the engine thread's workers sleep at every barrier)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hotprefix-engine", daemon=True)
             self._thread.start()
+            release_thread()
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:

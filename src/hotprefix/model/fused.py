@@ -101,6 +101,7 @@ _SIGNATURES = {  # name -> (argument types, return type)
                     ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "qg_layer_fields": ([], _I),
     "qg_scratch_release": ([], None),
+    "qg_thread_release": ([], ctypes.c_int),
     "qg_scratch_bytes": ([], _I),
     "select_top_k": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
     "select_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
@@ -181,7 +182,22 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = result
     lib.hp_isa_level.restype = ctypes.c_char_p
     lib.isa = lib.hp_isa_level().decode()
+    _BOUND.append(lib)
     return lib
+
+
+_BOUND: list[ctypes.CDLL] = []
+
+
+def release_thread() -> None:
+    """Free the calling thread's kernel scratch and OpenMP worker threads, in every kernel build
+    loaded (``qg_thread_release``; made again if the thread runs kernels later). Called by a thread
+    that hands the model to another, as the server's main thread does when its engine thread starts:
+    an idle team left on the loading thread made libgomp throttle the engine thread's spin-waits
+    (more managed threads than CPUs), which then slept and woke at every barrier (a 1B decode step
+    on 2 cores: 10 ms more, about 165 context switches)."""
+    for lib in _BOUND:
+        lib.qg_thread_release()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

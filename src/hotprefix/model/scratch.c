@@ -1,5 +1,7 @@
 /* The kernels' scratch buffers (scratch.h): per thread, one per slot, grow-only, freed when the
- * thread exits (a pthread key's destructor) or on qg_scratch_release(). */
+ * thread exits (a pthread key's destructor) or on qg_scratch_release(); and qg_thread_release(),
+ * which frees a thread's scratch and its OpenMP team when it hands the kernels to another thread. */
+#include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -64,4 +66,17 @@ int64_t qg_scratch_bytes(void) {
     int64_t total = 0;
     for (int i = 0; a && i < SCR_SLOTS; i++) total += (int64_t)a->n[i];
     return total;
+}
+
+/* Frees the calling thread's scratch buffers and its OpenMP worker threads (both are made again if
+ * the thread runs kernels later). For a thread that hands the model to another, as the server's
+ * main thread does to its engine thread: libgomp cuts its workers' spin-wait to almost nothing
+ * while it manages more threads than there are CPUs, and the loading thread's idle team counted
+ * among them (the engine thread's workers then slept and were woken at every barrier: on 2 cores
+ * about 165 context switches and 10 ms a 1B decode step). Returns omp_pause_resource_all's result
+ * (0, or -1 inside a parallel region, where nothing is freed). */
+int qg_thread_release(void) {
+    if (omp_in_parallel()) return -1;
+    qg_scratch_release();
+    return omp_pause_resource_all(omp_pause_hard);
 }
