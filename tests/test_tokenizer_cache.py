@@ -25,15 +25,30 @@ def _observed(tok: Tokenizer) -> tuple:
 
 
 def _sources(monkeypatch) -> list[str]:
-    """Record where each tokenizer load reads from (a directory, and a GGUF file name if any)."""
+    """Record where each tokenizer load through ``AutoTokenizer`` reads from (a directory, and a
+    GGUF file name if any), and each load of a saved one by the generic fast class directly
+    (``fast:`` and its directory)."""
     seen: list[str] = []
     real = transformers.AutoTokenizer.from_pretrained.__func__
+    fast = transformers.PreTrainedTokenizerFast
+    real_fast = fast.from_pretrained.__func__
+    depth = []
 
     def spy(cls, path, *a, **k):
         seen.append(k.get("gguf_file") or str(path))
-        return real(cls, path, *a, **k)
+        depth.append(1)  # AutoTokenizer calls the class's own from_pretrained: not recorded twice
+        try:
+            return real(cls, path, *a, **k)
+        finally:
+            depth.pop()
+
+    def spy_fast(cls, path, *a, **k):
+        if not depth:
+            seen.append(f"fast:{path}")
+        return real_fast(cls, path, *a, **k)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(spy))
+    monkeypatch.setattr(fast, "from_pretrained", classmethod(spy_fast))
     return seen
 
 
@@ -58,7 +73,8 @@ def test_built_once_then_read_from_the_cache_with_the_same_behaviour(monkeypatch
     entries = list((root / "tokenizers").iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").exists()
     second = Tokenizer.load(gguf)
-    assert seen_first + seen == [gguf.rsplit("/", 1)[-1], str(entries[0])]  # the file, then the cache
+    # the file, then the cache, by the generic fast class (AutoTokenizer's class lookup: ~0.3 s)
+    assert seen_first + seen == [gguf.rsplit("/", 1)[-1], f"fast:{entries[0]}"]
     assert _observed(second) == first
 
 

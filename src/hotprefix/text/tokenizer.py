@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -145,7 +146,6 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
     directory (keyed by the file's path, size and modification time and the transformers version)
     and loaded from there afterwards, in a fraction of a second. A cache that cannot be written or
     read is passed over: the tokenizer is then built from the file."""
-    from transformers import AutoTokenizer
     from transformers import __version__ as hf_version
 
     st = os.stat(path)
@@ -153,10 +153,12 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
     saved = cache_dir("tokenizers") / hashlib.sha256(ident.encode()).hexdigest()[:16]
     if saved.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(saved))
+            return _load_saved(saved)
         except Exception as e:  # a damaged entry: rebuilt from the file below
             log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
             shutil.rmtree(saved, ignore_errors=True)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                         gguf_file=os.path.basename(path))
     try:
@@ -166,6 +168,26 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
     except Exception as e:  # not writable, disk full, or another process saved it first
         log.info("tokenizer not cached (%s)", e)
     return tok
+
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""transformers' generic fast tokenizer (its name in 5.x and before): a saved one of these is loaded
+by that class directly, not through ``AutoTokenizer``, whose class lookup cost ~0.3 s of every
+start."""
+
+
+def _load_saved(saved: Path) -> Any:
+    """A tokenizer this module saved (``_transformers_gguf_tokenizer``): the class its config names,
+    by the generic fast class where it is that one (the same object ``AutoTokenizer`` gives)."""
+    with open(saved / "tokenizer_config.json", encoding="utf-8") as f:
+        cls = json.load(f).get("tokenizer_class")
+    if cls in GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(saved))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(saved))
 
 
 class Tokenizer:
@@ -226,7 +248,7 @@ class Tokenizer:
             if not template.strip():
                 raise TokenizerError(f"chat template {chat_template!r} is empty")
         _quiet_hf()
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast
 
         if not os.path.exists(path):
             raise TokenizerError(f"tokenizer source not found: {path}")
@@ -234,6 +256,8 @@ class Tokenizer:
             if path.endswith(".gguf"):
                 tok = _gguf_tokenizer(path)
             elif os.path.isdir(path):
+                from transformers import AutoTokenizer
+
                 tok = AutoTokenizer.from_pretrained(path)
             elif path.endswith(".json"):
                 tok = PreTrainedTokenizerFast(tokenizer_file=path)
