@@ -112,6 +112,27 @@ def test_row_bits_independent_of_chunking_batch_phase_threads_and_path(pool_dtyp
         assert torch.equal(out[1], ref[p]), p
 
 
+@pytest.mark.parametrize("nh,nkv", [(9, 3), (4, 1)])
+def test_a_short_tail_over_a_long_context_split_by_segment_keeps_each_rows_bits(nh, nkv):
+    """A few prefill rows over many cached keys make too few work items for the threads (one per
+    KV head and 32 rows): their rows are then split into an item per segment of keys and the
+    segments' states merged after, as a decode's are. Each row keeps the bits it has in the whole
+    prefill, alone on one thread, and on the portable path."""
+    bs = 16
+    ops, k, v, g = _setup(nh, nkv, 64, bs, torch.bfloat16, seed=4)
+    seq_len = 900
+    table = torch.randperm(NB, generator=g)[: -(-seq_len // bs)].tolist()
+    q = torch.randn(seq_len, nh, 64, generator=g)
+    ref = _run(ops, k, v, q, _prefill_meta(table, 0, seq_len, bs), threads=1)
+    for start, n in [(880, 20), (500, 40), (250, 12), (700, 64)]:  # within, across, at segments
+        meta = _prefill_meta(table, start, n, bs)
+        part = q[start:start + n].contiguous()
+        split = _run(ops, k, v, part, meta, threads=2)
+        assert torch.equal(split, ref[start:start + n]), (start, n)
+        assert torch.equal(_run(ops, k, v, part, meta, threads=1), split)
+        assert torch.equal(_run(ops, k, v, part, meta, threads=2, portable=True), split)
+
+
 def test_a_table_that_does_not_cover_its_row_is_refused():
     ops, k, v, g = _setup(9, 3, 64, 16, torch.bfloat16)
     q = torch.randn(1, 9, 64, generator=g)

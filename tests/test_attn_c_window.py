@@ -120,8 +120,10 @@ def test_a_table_must_cover_only_the_window():
 
 
 def _calls(n, bs):
-    """(start, rows) prefill chunks of a sequence of ``n`` keys, cut in other places."""
-    return [(0, n), (0, 17), (5, 300), (16, 16), (n - 100, 100), (n - 1, 1), (1, n - 1), (250, 280)]
+    """(start, rows) prefill chunks of a sequence of ``n`` keys, cut in other places (the short
+    ones over two segments: too few items for 2 threads, split per segment)."""
+    return [(0, n), (0, 17), (5, 300), (16, 16), (n - 100, 100), (n - 1, 1), (1, n - 1), (250, 280),
+            (240, 30), (500, 20), (n - 20, 20)]
 
 
 @pytest.mark.parametrize("window,dtype", [(w, torch.bfloat16) for w in WINDOWS]

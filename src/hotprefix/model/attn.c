@@ -32,6 +32,7 @@
 #define PREFETCH 8   /* chunks ahead whose K/V rows are prefetched (a decode reads the pool cold) */
 #define SEG 256      /* keys per segment: a row's state restarts at each, merged in order */
 #define PAR_MIN 16   /* query-vector chunks in a call from which threads share the items */
+#define FEW_ITEMS 2  /* items a thread below which prefill rows are split per segment too */
 
 /* (m, l, o) <- (m, l, o) merged with a segment's (ms, ls, os): rescaled to the larger max. An
  * empty (m = -inf, l = 0, o = 0) state merged with S gives S exactly (e^0 = 1 in exp_le0). */
@@ -178,6 +179,28 @@ static int split_row(const int64_t *seq, const int64_t *pos, int64_t n, int64_t 
            (r == 0 || seq[r - 1] != seq[r]) && (r + 1 == n || seq[r + 1] != seq[r]);
 }
 
+/* End of the group of rows from r (consecutive rows of one sequence, at most ROW_BLOCK; a
+ * padding row alone). */
+static int64_t group_end(const int64_t *seq, int64_t n, int64_t r) {
+    int64_t e = r + 1;
+    while (seq[r] >= 0 && e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) e++;
+    return e;
+}
+
+/* Whether the group of several rows [r, e) is split into an item per segment (each row's state
+ * per segment, merged after as a decode's are): when the call has too few items to keep its
+ * threads busy (a warm prompt's short tail over a long cached context: one group a KV head, and
+ * a model with one or a few KV heads) and the rows' keys lie in more than one segment. */
+static int split_group(const int64_t *pos, int64_t r, int64_t e, int64_t window, int few) {
+    if (!few || e - r < 2) return 0;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t i = r; i < e; i++) {
+        hi = pos[i] / SEG > hi ? pos[i] / SEG : hi;
+        lo = first_key(pos[i], window) / SEG < lo ? first_key(pos[i], window) / SEG : lo;
+    }
+    return hi > lo;
+}
+
 /* 0 when every block the rows read (those of keys first_key(pos, window)..pos) is in their
  * tables and the pool, else -2. */
 int attn_check_tables(int64_t n, int64_t bs, int64_t pool_blocks, const int64_t *tables,
@@ -211,10 +234,18 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
               int threads, int portable) {
     const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
     int64_t nkeys = 0, work = 0; /* nkeys: split rows' segments (each a partial state slot) */
+    int64_t groups = 0;
     for (int64_t r = 0; r < n; r++) {
         if (seq[r] < 0) continue;
         work += g * ((pos[r] - first_key(pos[r], window)) / CH + 1);
         if (split_row(seq, pos, n, r, window, threads)) nkeys += pos[r] / SEG + 1;
+    }
+    for (int64_t r = 0; r < n; r = group_end(seq, n, r)) groups += seq[r] >= 0;
+    const int few = threads > 1 && groups * nkv < (int64_t)FEW_ITEMS * threads;
+    for (int64_t r = 0, e; r < n; r = e) {
+        e = group_end(seq, n, r);
+        if (seq[r] >= 0 && split_group(pos, r, e, window, few))
+            for (int64_t i = r; i < e; i++) nkeys += pos[i] / SEG + 1;
     }
     /* rows in item order, each row's first partial slot (-1: not split), the items */
     int64_t *order = malloc((size_t)(n + nkeys + 1) * sizeof(int64_t));
@@ -228,13 +259,28 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
     }
     int64_t no = 0, ni = 0, nk = 0, next_slot = 0;
     for (int64_t r = 0, e; r < n; r = e) {
-        e = r + 1;
-        base[r] = -1;
+        e = group_end(seq, n, r);
+        for (int64_t i = r; i < e; i++) base[i] = -1;
         if (seq[r] < 0) {
             memset(out + r * nh * hd, 0, (size_t)(nh * hd) * sizeof(float));
             continue;
         }
-        while (e < n && e - r < ROW_BLOCK && seq[e] == seq[r]) base[e++] = -1;
+        if (split_group(pos, r, e, window, few)) { /* an item per segment, of the rows with keys in it */
+            int64_t lo = INT64_MAX, hi = 0;
+            for (int64_t i = r; i < e; i++) {
+                base[i] = next_slot;
+                next_slot += pos[i] / SEG + 1;
+                hi = pos[i] / SEG > hi ? pos[i] / SEG : hi;
+                lo = first_key(pos[i], window) / SEG < lo ? first_key(pos[i], window) / SEG : lo;
+            }
+            for (int64_t s = lo; s <= hi; s++) {
+                const int64_t first = no;
+                for (int64_t i = r; i < e; i++)
+                    if (first_key(pos[i], window) / SEG <= s && s <= pos[i] / SEG) order[no++] = i;
+                if (no > first) items[ni++] = (work_item){first, no - first, s};
+            }
+            continue;
+        }
         if (!split_row(seq, pos, n, r, window, threads)) { /* one item: every segment, merged */
             items[ni++] = (work_item){no, e - r, -1};
             for (int64_t i = r; i < e; i++) order[no++] = i;
