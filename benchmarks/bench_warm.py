@@ -95,6 +95,9 @@ def main() -> None:
     ap = common.base_parser(__doc__)
     ap.add_argument("--contexts", default="4096,8192", help="comma-separated system-prompt sizes")
     common.add_model_argument(ap)
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template for a model whose file has none (Gemma 3 270M: "
+                         "benchmarks/gemma_chat_template.jinja)")
     args = ap.parse_args()
     common.setup_threads(args.threads)
     repeats = args.repeats or 5
@@ -104,10 +107,12 @@ def main() -> None:
 
     try:
         llm = common.load_hotprefix(args.threads, model=args.model, max_model_len=max(contexts) + 512,
-                                    max_num_batched_tokens=max(contexts) + 512)
+                                    max_num_batched_tokens=max(contexts) + 512,
+                                    chat_template=args.chat_template)
     except ConfigError:  # more than the model's positions: its own length, the contexts cut below
         llm = common.load_hotprefix(args.threads, model=args.model,
-                                    max_num_batched_tokens=max(contexts) + 512)
+                                    max_num_batched_tokens=max(contexts) + 512,
+                                    chat_template=args.chat_template)
     limit = llm.engine.max_model_len - 128  # room for the template and the question
     if max(contexts) > limit:
         log(f"  contexts above the model's {llm.engine.max_model_len} positions cut to {limit}")
