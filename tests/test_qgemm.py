@@ -395,12 +395,9 @@ def test_tiny_model_with_bias_and_mixed_block_types():
     assert (run(quant, ids) - fast).abs().max() > 2 * tol  # the biases weigh in: the check sees them
 
 
-def test_scratch_is_kept_per_thread_and_released():
-    """The kernels' scratch (``scratch.c``) is made on a thread's first call, reused by the next
-    call of the same size (no growth), kept per thread (another thread's calls leave it as is) and
-    freed on release; a product after the release is made again with the same result."""
-    import threading
-
+def _small_product():
+    """A 40-row product on a small Q4_1 weight through ``qg_linear`` on 2 threads (its scratch and
+    OpenMP team are the calling thread's)."""
     _, raw, _ = make_blocks("Q4_1", 64, 256, seed=3)
     w = QuantWeight([("Q4_1", raw)], 256, LIB)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
@@ -409,6 +406,17 @@ def test_scratch_is_kept_per_thread_and_released():
         y = torch.empty(40, 64)
         assert LIB.qg_linear(w.packed.data_ptr(), 64, 256, x.data_ptr(), 40, y.data_ptr(), 2) == 0
         return y
+
+    return run
+
+
+def test_scratch_is_kept_per_thread_and_released():
+    """The kernels' scratch (``scratch.c``) is made on a thread's first call, reused by the next
+    call of the same size (no growth), kept per thread (another thread's calls leave it as is) and
+    freed on release; a product after the release is made again with the same result."""
+    import threading
+
+    run = _small_product()
 
     LIB.qg_scratch_release()
     assert LIB.qg_scratch_bytes() == 0
@@ -444,14 +452,7 @@ def test_a_thread_that_hands_the_kernels_over_frees_its_scratch_and_workers(tiny
     from hotprefix.engine.engine import LLMEngine
     from server_support import tiny_config
 
-    _, raw, _ = make_blocks("Q4_1", 64, 256, seed=3)
-    w = QuantWeight([("Q4_1", raw)], 256, LIB)
-    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
-
-    def run() -> torch.Tensor:
-        y = torch.empty(40, 64)
-        assert LIB.qg_linear(w.packed.data_ptr(), 64, 256, x.data_ptr(), 40, y.data_ptr(), 2) == 0
-        return y
+    run = _small_product()
 
     def fewer_threads_than(n: int) -> bool:  # a released worker exits after its last barrier
         deadline = time.monotonic() + 30
