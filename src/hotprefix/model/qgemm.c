@@ -53,9 +53,11 @@
 #define QG_PAR_MIN (1 << 17) /* multiply-adds below which one thread runs the product */
 #define QG_PREFETCH 32     /* blocks ahead to prefetch in a group's first tile */
 #define QG_CHAINS 4       /* most integer accumulators a row keeps per block */
-#define QG_AMX_MIN_ROWS 32 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can: at 16 a
+#define QG_AMX_MIN_ROWS 25 /* rows from which the AMX tile path (qgemm_amx.c) runs, where it can: at 16 a
                             * batch-16 decode step ran 0.93x the AVX-512 path (each step decodes every
-                            * group into tiles for one tile of rows) */
+                            * group into tiles for one tile of rows), and 17-24 rows (a tile and a tail
+                            * of rows here) lost on Q6_K; 25-31 rows as two tiles (a warm prompt's
+                            * short tail) took 0.7-0.9x the vector path's time on the 1B's matrices */
 #define QG_A8_MIN_ROWS 8 /* rows from which narrow weights take qgemm_a8.c's VPDPBUSD path */
 #define QG_AMX_TAIL 8      /* most rows past the last whole 16 that the vector path takes instead */
 
