@@ -78,5 +78,9 @@ int64_t qg_scratch_bytes(void) {
 int qg_thread_release(void) {
     if (omp_in_parallel()) return -1;
     qg_scratch_release();
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9) /* OpenMP 5.0's pause: GCC 9+ */
     return omp_pause_resource_all(omp_pause_hard);
+#else
+    return 0; /* an older compiler's libgomp: the team stays */
+#endif
 }
