@@ -187,17 +187,24 @@ static int64_t group_end(const int64_t *seq, int64_t n, int64_t r) {
     return e;
 }
 
+/* The first and last segments holding keys of rows [r, e). */
+static void group_segments(const int64_t *pos, int64_t r, int64_t e, int64_t window, int64_t *lo,
+                           int64_t *hi) {
+    *lo = INT64_MAX, *hi = 0;
+    for (int64_t i = r; i < e; i++) {
+        *hi = pos[i] / SEG > *hi ? pos[i] / SEG : *hi;
+        *lo = first_key(pos[i], window) / SEG < *lo ? first_key(pos[i], window) / SEG : *lo;
+    }
+}
+
 /* Whether the group of several rows [r, e) is split into an item per segment (each row's state
  * per segment, merged after as a decode's are): when the call has too few items to keep its
  * threads busy (a warm prompt's short tail over a long cached context: one group a KV head, and
  * a model with one or a few KV heads) and the rows' keys lie in more than one segment. */
 static int split_group(const int64_t *pos, int64_t r, int64_t e, int64_t window, int few) {
     if (!few || e - r < 2) return 0;
-    int64_t lo = INT64_MAX, hi = 0;
-    for (int64_t i = r; i < e; i++) {
-        hi = pos[i] / SEG > hi ? pos[i] / SEG : hi;
-        lo = first_key(pos[i], window) / SEG < lo ? first_key(pos[i], window) / SEG : lo;
-    }
+    int64_t lo, hi;
+    group_segments(pos, r, e, window, &lo, &hi);
     return hi > lo;
 }
 
@@ -233,8 +240,7 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
               const int64_t *seq, const int64_t *pos, int64_t window, float scale, float *out,
               int threads, int portable) {
     const int64_t g = nh / nkv, per = g * (hd + 2); /* a row's partial state for one KV head */
-    int64_t nkeys = 0, work = 0; /* nkeys: split rows' segments (each a partial state slot) */
-    int64_t groups = 0;
+    int64_t nkeys = 0, work = 0, groups = 0; /* nkeys: split rows' segments (each a partial state slot) */
     for (int64_t r = 0; r < n; r++) {
         if (seq[r] < 0) continue;
         work += g * ((pos[r] - first_key(pos[r], window)) / CH + 1);
@@ -266,12 +272,11 @@ int attn_rows(const float *q, int64_t n, int64_t nh, int64_t nkv, int64_t hd, co
             continue;
         }
         if (split_group(pos, r, e, window, few)) { /* an item per segment, of the rows with keys in it */
-            int64_t lo = INT64_MAX, hi = 0;
+            int64_t lo, hi;
+            group_segments(pos, r, e, window, &lo, &hi);
             for (int64_t i = r; i < e; i++) {
                 base[i] = next_slot;
                 next_slot += pos[i] / SEG + 1;
-                hi = pos[i] / SEG > hi ? pos[i] / SEG : hi;
-                lo = first_key(pos[i], window) / SEG < lo ? first_key(pos[i], window) / SEG : lo;
             }
             for (int64_t s = lo; s <= hi; s++) {
                 const int64_t first = no;

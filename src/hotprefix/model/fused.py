@@ -175,6 +175,10 @@ def _library(level: str) -> ctypes.CDLL | None:
 library.cache_clear = _library.cache_clear  # forget the loaded builds (tests rebuild)
 
 
+_BOUND: list[ctypes.CDLL] = []
+"""Every kernel build bound in this process (``release_thread`` frees a thread's state in each)."""
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with the kernels' argument and return types set (a build of ``SOURCES``)."""
     for name, (args, result) in _SIGNATURES.items():
@@ -182,11 +186,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = result
     lib.hp_isa_level.restype = ctypes.c_char_p
     lib.isa = lib.hp_isa_level().decode()
-    _BOUND.append(lib)
+    if lib not in _BOUND:
+        _BOUND.append(lib)
     return lib
-
-
-_BOUND: list[ctypes.CDLL] = []
 
 
 def release_thread() -> None:
