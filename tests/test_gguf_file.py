@@ -58,18 +58,3 @@ def test_not_a_gguf_file(tmp_path):
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(GgufFormatError, match="not a GGUF"):
         GgufFile(str(bad))
-
-
-def test_the_weights_digest_is_sha256_of_the_header_and_the_files_in_name_order(tmp_path):
-    """The namespace's root (``loader._file_digest``): SHA-256 of the architecture text, then each
-    file's bytes, files in name order, whatever buffer it reads them with."""
-    import hashlib
-
-    from hotprefix.model.loader import _file_digest
-
-    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    a.write_bytes(bytes(range(256)) * 5000 + b"tail")
-    b.write_bytes(b"second file")
-    want = hashlib.sha256(b"arch" + a.read_bytes() + b.read_bytes()).hexdigest()[:16]
-    assert _file_digest([str(b), str(a)], "arch") == want
-    assert _file_digest([str(a)], "arch") != want

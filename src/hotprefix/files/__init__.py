@@ -1,2 +1,3 @@
-"""Files on this machine: the one atomic write (``atomic``) and the directory of derived,
-rebuildable files (``cachedir``). Standard library only."""
+"""Files on this machine: the one atomic write (``atomic``), the directory of derived,
+rebuildable files (``cachedir``) and a model's remembered fingerprint (``fingerprint``). Standard
+library only."""
