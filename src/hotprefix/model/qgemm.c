@@ -331,6 +331,80 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     default: QG_ROWS_OF(QF_K6)
     }
 }
+
+/* Two 4-bit groups (wg0, wg1: the same format) for the same rows: each broadcast pair of a row's
+ * activations feeds both groups' products, half the broadcast loads a multiply-add of
+ * group_rows_vnni's (whose loop those loads bound: 51.9 -> 44.2 ms on a 512 x 2,048 x 8,192 Q4_K
+ * product). Each output's integer sum and float steps are group_rows_vnni's: the same bits. One
+ * chain a row and group: for tiles of several rows (a lone row waits on its chains' latency). */
+static inline __attribute__((always_inline)) void group_rows_pair(
+    const uint8_t *wg0, const uint8_t *wg1, const int f, int64_t nb, const int16_t *qa,
+    const float *sa, const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes0,
+    int lanes1, int fetch) {
+    const int64_t qbytes = fmt_qbytes(f);
+    const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
+    __m512 acc[QG_ROWS][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = block_at(wg0, f, b), *blk1 = block_at(wg1, f, b);
+        if (fetch) /* the groups' first tile: their weights stream from memory */
+            for (int64_t off = 0; off < qbytes + fmt_scales(f); off += 64) {
+                _mm_prefetch((const char *)(blk0 + ahead + off), _MM_HINT_T0);
+                _mm_prefetch((const char *)(blk1 + ahead + off), _MM_HINT_T0);
+            }
+        __m512i s[QG_ROWS][2];
+        for (int r = 0; r < nr; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            __m512i wl0, wh0, wl1, wh1;
+            decode_chunk_512(blk0, f, j, &wl0, &wh0);
+            decode_chunk_512(blk1, f, j, &wl1, &wh1);
+            for (int r = 0; r < nr; r++) {
+                const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
+                int32_t p0, p1;
+                memcpy(&p0, a, 4);
+                memcpy(&p1, a + 16, 4);
+                const __m512i b0 = _mm512_set1_epi32(p0), b1 = _mm512_set1_epi32(p1);
+                s[r][0] = _mm512_dpwssd_epi32(s[r][0], wl0, b0);
+                s[r][1] = _mm512_dpwssd_epi32(s[r][1], wl1, b0);
+                s[r][0] = _mm512_dpwssd_epi32(s[r][0], wh0, b1);
+                s[r][1] = _mm512_dpwssd_epi32(s[r][1], wh1, b1);
+            }
+        }
+        __m512 d0, m0, d1, m1;
+        block_scales_512(wg0, blk0, f, b, &d0, &m0);
+        block_scales_512(wg1, blk1, f, b, &d1, &m1);
+        for (int r = 0; r < nr; r++) { /* group_rows_vnni's float steps, per group */
+            const __m512 q = _mm512_set1_ps(sq[r * nb + b]), a = _mm512_set1_ps(sa[r * nb + b]);
+            const __m512 c0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(s[r][0]), _mm512_mul_ps(m0, q));
+            const __m512 c1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(s[r][1]), _mm512_mul_ps(m1, q));
+            acc[r][0] = _mm512_fmadd_ps(a, c0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, c1, acc[r][1]);
+        }
+    }
+    const __mmask16 k0 = (__mmask16)((1u << lanes0) - 1), k1 = (__mmask16)((1u << lanes1) - 1);
+    for (int r = 0; r < nr; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, acc[r][0]);
+        _mm512_mask_storeu_ps(y + r * ldy + QG_LANES, k1, acc[r][1]);
+    }
+}
+
+#define QG_PAIR_CASE(F, R) \
+    case R: group_rows_pair(wg0, wg1, F, nb, qa, sa, sq, k, R, y, ldy, lanes0, lanes1, fetch); break;
+#define QG_PAIR_ROWS_OF(F) \
+    switch (nr) { QG_PAIR_CASE(F, 1) QG_PAIR_CASE(F, 2) QG_PAIR_CASE(F, 3) QG_PAIR_CASE(F, 4) \
+                  QG_PAIR_CASE(F, 5) QG_PAIR_CASE(F, 6) } \
+    break;
+/* Whether groups of format f go in pairs (group_rows_pair): the 4-bit ones, decoded as they are
+ * read (5- and 6-bit groups are decoded once a span, 8-bit ones read as they are). */
+#define PAIRED(f) ((f) == QF_Q4 || (f) == QF_K4)
+static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t nb,
+                        const int16_t *qa, const float *sa, const float *sq, int64_t k, int nr,
+                        float *y, int64_t ldy, int lanes0, int lanes1, int fetch) {
+    switch (f) {
+    case QF_Q4: QG_PAIR_ROWS_OF(QF_Q4)
+    default: QG_PAIR_ROWS_OF(QF_K4)
+    }
+}
 #elif defined(HP_AVX2)
 #include "qgemm_avx2.h"
 #else
@@ -338,35 +412,62 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     group_rows_c(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes)
 #endif
 
+/* Whether groups g and g + 1 (formats f, f2; of `groups`) run as a pair on a span of `span` rows
+ * (group_rows_pair): 4-bit groups of one format, on tiles of several rows, on AVX-512. */
+static inline int pair_at(int64_t groups, int64_t g, int f, int f2, int64_t span) {
+#ifdef HP_AVX512
+    return g % 2 == 0 && g + 1 < groups && f == f2 && PAIRED(f) && span >= QG_ROWS;
+#else
+    (void)groups, (void)g, (void)f, (void)f2, (void)span;
+    return 0;
+#endif
+}
+
 /* y [rows][n] = the block-quantized product described above. */
 void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const float *sa,
              const float *sq, int64_t rows, float *y, int threads) {
     const int64_t nb = k / QG_BLOCK, groups = (n + QG_LANES - 1) / QG_LANES;
     int64_t span; /* equal spans of at most QG_ROW_SPAN rows, a whole number of tiles */
     const int64_t spans = even_spans(rows, QG_ROW_SPAN, QG_ROWS, &span);
-    /* a span of rows (its activations held in L2) and a group of 16 outputs (its weights in L1)
-     * per iteration; threads take contiguous ranges of these pairs: the groups of a short batch
-     * are split between them, a long prefill's spans too */
+    /* a span of rows (its activations held in L2) and two groups of 16 outputs (their weights in
+     * L1) per iteration, as a pair where pair_at says, else one after the other; threads take
+     * contiguous ranges of these: the groups of a short batch are split between them, a long
+     * prefill's spans too */
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n * k >= QG_PAR_MIN)
     for (int64_t s = 0; s < spans; s++) {
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g2 = 0; g2 < (groups + 1) / 2; g2++) {
             const int64_t r0 = s * span, r1 = r0 + span < rows ? r0 + span : rows;
-            const int lanes = group_lanes(n, g);
-            int f;
-            const uint8_t *wg = group_at(w, g, &f);
-            /* a span of several tiles: a group of 5- or 6-bit blocks decoded once, into the thread's
-             * scratch (their decode cost ~40% of a tile's work; 4- and 8-bit blocks decode faster
-             * than they load back) */
-            void *dec = NULL;
-#if defined(HP_AVX512) || defined(HP_AVX2)
-            if (r1 - r0 > QG_ROWS && (fmt_bits(f) == 5 || fmt_bits(f) == 6) &&
-                (dec = hp_scratch(SCR_GEMM_DECODED, (size_t)(nb * 1024))))
-                decode_group16(wg, f, nb, dec);
+            for (int64_t g = 2 * g2; g < 2 * g2 + 2 && g < groups; g++) {
+                const int lanes = group_lanes(n, g);
+                int f, f2 = -1;
+                const uint8_t *wg = group_at(w, g, &f);
+                const uint8_t *wg2 = g + 1 < groups ? group_at(w, g + 1, &f2) : NULL;
+                if (pair_at(groups, g, f, f2, r1 - r0)) {
+#ifdef HP_AVX512
+                    for (int64_t r = r0; r < r1; r += QG_ROWS) {
+                        const int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
+                        group_rows2(wg, wg2, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
+                                    y + r * n + g * QG_LANES, n, lanes, group_lanes(n, g + 1),
+                                    r == r0);
+                    }
 #endif
-            for (int64_t r = r0; r < r1; r += QG_ROWS) {
-                int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
-                group_rows(wg, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
-                           y + r * n + g * QG_LANES, n, lanes, r == r0 && !dec, dec);
+                    break; /* both groups done */
+                }
+                (void)wg2;
+                /* a span of several tiles: a group of 5- or 6-bit blocks decoded once, into the
+                 * thread's scratch (their decode cost ~40% of a tile's work; 4- and 8-bit blocks
+                 * decode faster than they load back) */
+                void *dec = NULL;
+#if defined(HP_AVX512) || defined(HP_AVX2)
+                if (r1 - r0 > QG_ROWS && (fmt_bits(f) == 5 || fmt_bits(f) == 6) &&
+                    (dec = hp_scratch(SCR_GEMM_DECODED, (size_t)(nb * 1024))))
+                    decode_group16(wg, f, nb, dec);
+#endif
+                for (int64_t r = r0; r < r1; r += QG_ROWS) {
+                    int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
+                    group_rows(wg, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
+                               y + r * n + g * QG_LANES, n, lanes, r == r0 && !dec, dec);
+                }
             }
         }
     }
