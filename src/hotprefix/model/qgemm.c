@@ -332,15 +332,16 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     }
 }
 
-/* Two 4-bit groups (wg0, wg1: the same format) for the same rows: each broadcast pair of a row's
- * activations feeds both groups' products, half the broadcast loads a multiply-add of
+/* Two 4- or 5-bit groups (wg0, wg1: the same format) for the same rows: each broadcast pair of a
+ * row's activations feeds both groups' products, half the broadcast loads a multiply-add of
  * group_rows_vnni's (whose loop those loads bound: 51.9 -> 44.2 ms on a 512 x 2,048 x 8,192 Q4_K
  * product). Each output's integer sum and float steps are group_rows_vnni's: the same bits. One
- * chain a row and group: for tiles of several rows (a lone row waits on its chains' latency). */
+ * chain a row and group: for tiles of several rows (a lone row waits on its chains' latency).
+ * dec0, dec1: the groups as decode_group16 left them, or NULL: each block decoded here. */
 static inline __attribute__((always_inline)) void group_rows_pair(
     const uint8_t *wg0, const uint8_t *wg1, const int f, int64_t nb, const int16_t *qa,
     const float *sa, const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes0,
-    int lanes1, int fetch) {
+    int lanes1, int fetch, const __m512i *dec0, const __m512i *dec1) {
     const int64_t qbytes = fmt_qbytes(f);
     const int64_t ahead = QG_PREFETCH * (fmt_local(f) ? qbytes + fmt_scales(f) : qbytes + 40);
     __m512 acc[QG_ROWS][2];
@@ -356,8 +357,13 @@ static inline __attribute__((always_inline)) void group_rows_pair(
         for (int r = 0; r < nr; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             __m512i wl0, wh0, wl1, wh1;
-            decode_chunk_512(blk0, f, j, &wl0, &wh0);
-            decode_chunk_512(blk1, f, j, &wl1, &wh1);
+            if (dec0) {
+                wl0 = dec0[16 * b + 2 * j], wh0 = dec0[16 * b + 2 * j + 1];
+                wl1 = dec1[16 * b + 2 * j], wh1 = dec1[16 * b + 2 * j + 1];
+            } else {
+                decode_chunk_512(blk0, f, j, &wl0, &wh0);
+                decode_chunk_512(blk1, f, j, &wl1, &wh1);
+            }
             for (int r = 0; r < nr; r++) {
                 const int16_t *a = qa + r * k + b * QG_BLOCK + 2 * j;
                 int32_t p0, p1;
@@ -389,19 +395,22 @@ static inline __attribute__((always_inline)) void group_rows_pair(
 }
 
 #define QG_PAIR_CASE(F, R) \
-    case R: group_rows_pair(wg0, wg1, F, nb, qa, sa, sq, k, R, y, ldy, lanes0, lanes1, fetch); break;
+    case R: group_rows_pair(wg0, wg1, F, nb, qa, sa, sq, k, R, y, ldy, lanes0, lanes1, fetch, dec0, dec1); break;
 #define QG_PAIR_ROWS_OF(F) \
     switch (nr) { QG_PAIR_CASE(F, 1) QG_PAIR_CASE(F, 2) QG_PAIR_CASE(F, 3) QG_PAIR_CASE(F, 4) \
                   QG_PAIR_CASE(F, 5) QG_PAIR_CASE(F, 6) } \
     break;
-/* Whether groups of format f go in pairs (group_rows_pair): the 4-bit ones, decoded as they are
- * read (5- and 6-bit groups are decoded once a span, 8-bit ones read as they are). */
-#define PAIRED(f) ((f) == QF_Q4 || (f) == QF_K4)
+/* Whether groups of format f go in pairs (group_rows_pair): the 4- and 5-bit ones (Q6_K keeps two
+ * sums a row, too many registers for two groups; 8-bit weights are read as they are, no decode). */
+#define PAIRED(f) (fmt_bits(f) == 4 || fmt_bits(f) == 5)
 static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t nb,
                         const int16_t *qa, const float *sa, const float *sq, int64_t k, int nr,
-                        float *y, int64_t ldy, int lanes0, int lanes1, int fetch) {
+                        float *y, int64_t ldy, int lanes0, int lanes1, int fetch,
+                        const __m512i *dec0, const __m512i *dec1) {
     switch (f) {
     case QF_Q4: QG_PAIR_ROWS_OF(QF_Q4)
+    case QF_K5: QG_PAIR_ROWS_OF(QF_K5)
+    case QF_Q5: QG_PAIR_ROWS_OF(QF_Q5)
     default: QG_PAIR_ROWS_OF(QF_K4)
     }
 }
@@ -444,11 +453,19 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
                 const uint8_t *wg2 = g + 1 < groups ? group_at(w, g + 1, &f2) : NULL;
                 if (pair_at(groups, g, f, f2, r1 - r0)) {
 #ifdef HP_AVX512
+                    /* 5-bit groups over several tiles: decoded once, as group_rows does */
+                    __m512i *d0 = NULL, *d1 = NULL;
+                    if (r1 - r0 > QG_ROWS && fmt_bits(f) == 5 &&
+                        (d0 = hp_scratch(SCR_GEMM_DECODED, (size_t)(2 * nb * 1024)))) {
+                        d1 = d0 + 16 * nb;
+                        decode_group16(wg, f, nb, d0);
+                        decode_group16(wg2, f, nb, d1);
+                    }
                     for (int64_t r = r0; r < r1; r += QG_ROWS) {
                         const int nr = r1 - r < QG_ROWS ? (int)(r1 - r) : QG_ROWS;
                         group_rows2(wg, wg2, f, nb, qa + r * k, sa + r * nb, sq + r * nb, k, nr,
                                     y + r * n + g * QG_LANES, n, lanes, group_lanes(n, g + 1),
-                                    r == r0);
+                                    r == r0 && !d0, d0, d1);
                     }
 #endif
                     break; /* both groups done */
