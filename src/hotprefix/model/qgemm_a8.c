@@ -38,6 +38,7 @@
 
 #ifdef HP_AVX512
 #define QG8_ROWS 6          /* rows sharing one pass over a decoded group */
+#define PAIR8 1             /* groups run in pairs (rows8_pair) */
 
 /* A group's nb blocks decoded: wt [nb][8][64] int8, then per block its d, m (block_scales_512) and
  * 128 x the sum of each lane's q over inputs 0-15 and 16-31 (int32): dv, mv, clo, chi [nb]. */
@@ -117,8 +118,64 @@ static void group_rows8(const int8_t *wt, int f, int64_t nb, const uint8_t *au, 
     }
 }
 
+
+/* rows8 for two decoded groups of one format other than Q6_K (wt0, wt1): each broadcast of a
+ * row's 4 activation bytes feeds both groups' products, half rows8's broadcast loads a product
+ * (which bound its loop, as in qgemm.c's group_rows_pair). A row's two chains are one here (rows8
+ * adds them before the float steps; integer sums are exact in any order): the same bits. */
+static inline __attribute__((always_inline)) void rows8_pair(
+    const int8_t *wt0, const int8_t *wt1, int64_t nb, const uint8_t *au, const float *sa,
+    const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes0, int lanes1) {
+    const int8_t *wt[2] = {wt0, wt1};
+    const __m512 *dv[2], *mv[2];
+    const __m512i *clo[2], *chi[2];
+    for (int g = 0; g < 2; g++) {
+        dv[g] = (const __m512 *)(wt[g] + nb * 512), mv[g] = dv[g] + nb;
+        clo[g] = (const __m512i *)(mv[g] + nb), chi[g] = clo[g] + nb;
+    }
+    __m512 acc[QG8_ROWS][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *wb0 = wt0 + b * 512, *wb1 = wt1 + b * 512;
+        __m512i s[QG8_ROWS][2];
+        for (int r = 0; r < nr; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        for (int kk = 0; kk < 8; kk++) { /* row kk of the block: inputs 4kk..4kk+3 of 0-15, then 16-31 */
+            const __m512i w0 = _mm512_loadu_si512(wb0 + 64 * kk), w1 = _mm512_loadu_si512(wb1 + 64 * kk);
+            for (int r = 0; r < nr; r++) {
+                int32_t p;
+                memcpy(&p, au + r * k + b * QG_BLOCK + (kk < 4 ? 4 * kk : 16 + 4 * (kk - 4)), 4);
+                const __m512i a = _mm512_set1_epi32(p);
+                s[r][0] = _mm512_dpbusd_epi32(s[r][0], a, w0);
+                s[r][1] = _mm512_dpbusd_epi32(s[r][1], a, w1);
+            }
+        }
+        for (int g = 0; g < 2; g++) {
+            const __m512 d = dv[g][b], m = mv[g][b];
+            const __m512i c = _mm512_add_epi32(clo[g][b], chi[g][b]);
+            for (int r = 0; r < nr; r++) { /* rows8's float steps */
+                const __m512 t = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][g], c)),
+                                                 _mm512_mul_ps(m, _mm512_set1_ps(sq[r * nb + b])));
+                acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(sa[r * nb + b]), t, acc[r][g]);
+            }
+        }
+    }
+    const __mmask16 k0 = (__mmask16)((1u << lanes0) - 1), k1 = (__mmask16)((1u << lanes1) - 1);
+    for (int r = 0; r < nr; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, acc[r][0]);
+        _mm512_mask_storeu_ps(y + r * ldy + QG_LANES, k1, acc[r][1]);
+    }
+}
+
+#define QG8_PAIR_CASE(R) \
+    case R: rows8_pair(wt0, wt1, nb, au, sa, sq, k, R, y, ldy, lanes0, lanes1); break;
+static void group_rows8_pair(const int8_t *wt0, const int8_t *wt1, int64_t nb, const uint8_t *au,
+                             const float *sa, const float *sq, int64_t k, int nr, float *y,
+                             int64_t ldy, int lanes0, int lanes1) {
+    switch (nr) { QG8_PAIR_CASE(1) QG8_PAIR_CASE(2) QG8_PAIR_CASE(3) QG8_PAIR_CASE(4) QG8_PAIR_CASE(5) QG8_PAIR_CASE(6) }
+}
 #elif defined(HP_AVX2)
 #define QG8_ROWS 2 /* rows sharing one pass over a decoded group (16 registers) */
+#define PAIR8 0
 
 /* acc += the 4-byte products of unsigned a and signed w, lane by lane: AVX-VNNI's VPDPBUSD, else
  * VPMADDUBSW + VPMADDWD; two at once (a0 x w0 + a1 x w1: their int16 pair sums added before
@@ -246,27 +303,44 @@ int qg_gemm8(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
 #pragma omp parallel for schedule(static) num_threads(team) if (rows >= 32)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < k; i++) au[r * k + i] = (uint8_t)(qa[r * k + i] + 128);
-    const int64_t per = nb * QG8_DECODED; /* a thread's decoded group */
-    int8_t *decoded = hp_scratch(SCR_A8_DECODED, (size_t)(team * per));
+    const int64_t per = nb * QG8_DECODED; /* a thread's decoded group (two on AVX-512: a pair) */
+    const int64_t slots = PAIR8 ? 2 : 1;
+    int8_t *decoded = hp_scratch(SCR_A8_DECODED, (size_t)(team * slots * per));
     if (!decoded) return -1;
     int64_t span;
     const int64_t spans = even_spans(rows, QG8_SPAN, QG8_ROWS, &span);
 #pragma omp parallel num_threads(team)
     {
-        int8_t *wt = decoded + omp_get_thread_num() * per;
+        int8_t *wt = decoded + omp_get_thread_num() * slots * per;
+        /* a span and two groups per iteration: on AVX-512 two groups of one format other than
+         * Q6_K run as a pair over a span of a full pass of rows or more, else one at a time */
 #pragma omp for collapse(2) schedule(static)
         for (int64_t s = 0; s < spans; s++) {
-            for (int64_t g = 0; g < groups; g++) {
+            for (int64_t g2 = 0; g2 < (groups + 1) / 2; g2++) {
                 const int64_t r0 = s * span, r1 = r0 + span < rows ? r0 + span : rows;
-                if (r0 >= r1) continue;
-                const int lanes = group_lanes(n, g);
-                int f;
-                const uint8_t *wg = group_at(w, g, &f);
-                decode_group8(wg, f, nb, wt); /* 8-bit groups were refused above (AVX2) */
-                for (int64_t r = r0; r < r1; r += QG8_ROWS) {
-                    const int nr = r1 - r < QG8_ROWS ? (int)(r1 - r) : QG8_ROWS;
-                    group_rows8(wt, f, nb, au + r * k, sa + r * nb, sq + r * nb, k, nr,
-                                y + r * n + g * QG_LANES, n, lanes);
+                for (int64_t g = 2 * g2; r0 < r1 && g < 2 * g2 + 2 && g < groups; g++) {
+                    const int lanes = group_lanes(n, g);
+                    int f, f2 = -1;
+                    const uint8_t *wg = group_at(w, g, &f);
+                    if (g + 1 < groups) group_at(w, g + 1, &f2);
+                    decode_group8(wg, f, nb, wt); /* 8-bit groups were refused above (AVX2) */
+#if PAIR8
+                    if (g % 2 == 0 && f2 == f && f != QF_K6 && r1 - r0 >= QG8_ROWS) {
+                        decode_group8(group_at(w, g + 1, &f2), f, nb, wt + per);
+                        for (int64_t r = r0; r < r1; r += QG8_ROWS) {
+                            const int nr = r1 - r < QG8_ROWS ? (int)(r1 - r) : QG8_ROWS;
+                            group_rows8_pair(wt, wt + per, nb, au + r * k, sa + r * nb, sq + r * nb,
+                                             k, nr, y + r * n + g * QG_LANES, n, lanes,
+                                             group_lanes(n, g + 1));
+                        }
+                        break; /* both groups done */
+                    }
+#endif
+                    for (int64_t r = r0; r < r1; r += QG8_ROWS) {
+                        const int nr = r1 - r < QG8_ROWS ? (int)(r1 - r) : QG8_ROWS;
+                        group_rows8(wt, f, nb, au + r * k, sa + r * nb, sq + r * nb, k, nr,
+                                    y + r * n + g * QG_LANES, n, lanes);
+                    }
                 }
             }
         }
