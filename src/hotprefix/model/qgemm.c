@@ -422,7 +422,7 @@ static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t n
 #endif
 
 /* Whether groups g and g + 1 (formats f, f2; of `groups`) run as a pair on a span of `span` rows
- * (group_rows_pair): 4-bit groups of one format, on tiles of several rows, on AVX-512. */
+ * (group_rows_pair): 4- or 5-bit groups of one format, on tiles of several rows, on AVX-512. */
 static inline int pair_at(int64_t groups, int64_t g, int f, int f2, int64_t span) {
 #ifdef HP_AVX512
     return g % 2 == 0 && g + 1 < groups && f == f2 && PAIRED(f) && span >= QG_ROWS;
