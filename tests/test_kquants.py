@@ -120,16 +120,19 @@ def test_every_level_gives_the_portable_bits_whatever_shares_the_call(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_paired_groups_give_each_group_its_own_bits(level):
-    """AVX-512 runs two 4- or 5-bit groups of one format side by side on tiles of several rows
+    """AVX-512 runs two groups of one format side by side on tiles of several rows
     (one broadcast of a row's activations feeds both; 5-bit groups decoded once a span of
-    several tiles, else as read): groups pair only within a format (Q4_K with Q6_K: apart; a
-    Q5_K pair; Q5_0 with Q4_K: apart; a Q4_K pair whose second group has 8 of 16 lanes), and
-    every row's bits in slices below, at and above the 6-row tile, and on one thread, equal the
-    portable reference's."""
+    several tiles, else as read; 8-bit ones read as stored; Q6_K never): groups pair only
+    within a format (Q4_K with Q6_K: apart; a Q5_K pair; a Q8_0 pair; Q5_0 with Q4_K: apart; a
+    Q4_K pair whose second group has 8 of 16 lanes), and every row's bits in slices below, at
+    and above the 6-row tile, and on one thread, equal the portable reference's."""
+    q8 = quantize(np.random.default_rng(16).standard_normal((32, 512)).astype(np.float32), T.Q8_0)
+    q8 = q8.reshape(32, -1)
     parts = [make("Q4_K", 16, 512, 11), make("Q6_K", 16, 512, 12), make("Q5_K", 32, 512, 14),
+             ("Q8_0", q8, torch.from_numpy(dequantize(q8, T.Q8_0).reshape(32, 512))),
              make("Q5_0", 16, 512, 15), make("Q4_K", 40, 512, 13)]
     w = QuantWeight([(kind, raw) for kind, raw, _ in parts], 512)
-    assert w.formats == (QF_K4, QF_K6, QF_K5, QF_K5, QF_Q5, QF_K4, QF_K4, QF_K4)
+    assert w.formats == (QF_K4, QF_K6, QF_K5, QF_K5, QF_Q8, QF_Q8, QF_Q5, QF_K4, QF_K4, QF_K4)
     lin = QuantLinear(library(level), None)
     x = torch.randn(29, 512, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, 512)
     full = _bits_alone(lin, x, w, [(0, 1), (2, 7), (0, 6), (3, 9), (5, 17), (1, 24), (0, 29)])

@@ -332,12 +332,13 @@ static void group_rows(const uint8_t *wg, int f, int64_t nb, const int16_t *qa,
     }
 }
 
-/* Two 4- or 5-bit groups (wg0, wg1: the same format) for the same rows: each broadcast pair of a
+/* Two groups (wg0, wg1: the same format, not Q6_K) for the same rows: each broadcast pair of a
  * row's activations feeds both groups' products, half the broadcast loads a multiply-add of
  * group_rows_vnni's (whose loop those loads bound: 51.9 -> 44.2 ms on a 512 x 2,048 x 8,192 Q4_K
  * product). Each output's integer sum and float steps are group_rows_vnni's: the same bits. One
  * chain a row and group: for tiles of several rows (a lone row waits on its chains' latency).
- * dec0, dec1: the groups as decode_group16 left them, or NULL: each block decoded here. */
+ * dec0, dec1: 5-bit groups as decode_group16 left them, or NULL: each block decoded (8-bit: read)
+ * here. */
 static inline __attribute__((always_inline)) void group_rows_pair(
     const uint8_t *wg0, const uint8_t *wg1, const int f, int64_t nb, const int16_t *qa,
     const float *sa, const float *sq, int64_t k, const int nr, float *y, int64_t ldy, int lanes0,
@@ -355,7 +356,18 @@ static inline __attribute__((always_inline)) void group_rows_pair(
             }
         __m512i s[QG_ROWS][2];
         for (int r = 0; r < nr; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; fmt_bits(f) == 8 && j < 16; j++) { /* 8-bit: chunk j, inputs 2j, 2j + 1 */
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk0 + 32 * j)));
+            const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk1 + 32 * j)));
+            for (int r = 0; r < nr; r++) {
+                int32_t p;
+                memcpy(&p, qa + r * k + b * QG_BLOCK + 2 * j, 4);
+                const __m512i a = _mm512_set1_epi32(p);
+                s[r][0] = _mm512_dpwssd_epi32(s[r][0], w0, a);
+                s[r][1] = _mm512_dpwssd_epi32(s[r][1], w1, a);
+            }
+        }
+        for (int j = 0; fmt_bits(f) != 8 && j < 8; j++) {
             __m512i wl0, wh0, wl1, wh1;
             if (dec0) {
                 wl0 = dec0[16 * b + 2 * j], wh0 = dec0[16 * b + 2 * j + 1];
@@ -400,15 +412,16 @@ static inline __attribute__((always_inline)) void group_rows_pair(
     switch (nr) { QG_PAIR_CASE(F, 1) QG_PAIR_CASE(F, 2) QG_PAIR_CASE(F, 3) QG_PAIR_CASE(F, 4) \
                   QG_PAIR_CASE(F, 5) QG_PAIR_CASE(F, 6) } \
     break;
-/* Whether groups of format f go in pairs (group_rows_pair): the 4- and 5-bit ones (Q6_K keeps two
- * sums a row, too many registers for two groups; 8-bit weights are read as they are, no decode). */
-#define PAIRED(f) (fmt_bits(f) == 4 || fmt_bits(f) == 5)
+/* Whether groups of format f go in pairs (group_rows_pair): all but Q6_K (two sums a row and
+ * group: two groups do not fit the registers; tried as 4-row pairs, no faster). */
+#define PAIRED(f) ((f) != QF_K6)
 static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t nb,
                         const int16_t *qa, const float *sa, const float *sq, int64_t k, int nr,
                         float *y, int64_t ldy, int lanes0, int lanes1, int fetch,
                         const __m512i *dec0, const __m512i *dec1) {
     switch (f) {
     case QF_Q4: QG_PAIR_ROWS_OF(QF_Q4)
+    case QF_Q8: QG_PAIR_ROWS_OF(QF_Q8)
     case QF_K5: QG_PAIR_ROWS_OF(QF_K5)
     case QF_Q5: QG_PAIR_ROWS_OF(QF_Q5)
     default: QG_PAIR_ROWS_OF(QF_K4)
@@ -422,7 +435,7 @@ static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t n
 #endif
 
 /* Whether groups g and g + 1 (formats f, f2; of `groups`) run as a pair on a span of `span` rows
- * (group_rows_pair): 4- or 5-bit groups of one format, on tiles of several rows, on AVX-512. */
+ * (group_rows_pair): groups of one format (PAIRED), on tiles of several rows, on AVX-512. */
 static inline int pair_at(int64_t groups, int64_t g, int f, int f2, int64_t span) {
 #ifdef HP_AVX512
     return g % 2 == 0 && g + 1 < groups && f == f2 && PAIRED(f) && span >= QG_ROWS;
