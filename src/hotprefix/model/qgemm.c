@@ -434,6 +434,13 @@ static void group_rows2(const uint8_t *wg0, const uint8_t *wg1, int f, int64_t n
     group_rows_c(wg, f, nb, qa, sa, sq, k, nr, y, ldy, lanes)
 #endif
 
+/* Whether a group of format f is decoded once for a span of `span` rows, into the thread's
+ * scratch, and its tiles read it back: 5- and 6-bit blocks over several tiles (their decode cost
+ * ~40% of a tile's work; 4- and 8-bit blocks decode faster than they load back). */
+static inline int decoded_once(int f, int64_t span) {
+    return span > QG_ROWS && (fmt_bits(f) == 5 || fmt_bits(f) == 6);
+}
+
 /* Whether groups g and g + 1 (formats f, f2; of `groups`) run as a pair on a span of `span` rows
  * (group_rows_pair): groups of one format (PAIRED), on tiles of several rows, on AVX-512. */
 static inline int pair_at(int64_t groups, int64_t g, int f, int f2, int64_t span) {
@@ -466,9 +473,8 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
                 const uint8_t *wg2 = g + 1 < groups ? group_at(w, g + 1, &f2) : NULL;
                 if (pair_at(groups, g, f, f2, r1 - r0)) {
 #ifdef HP_AVX512
-                    /* 5-bit groups over several tiles: decoded once, as group_rows does */
                     __m512i *d0 = NULL, *d1 = NULL;
-                    if (r1 - r0 > QG_ROWS && fmt_bits(f) == 5 &&
+                    if (decoded_once(f, r1 - r0) &&
                         (d0 = hp_scratch(SCR_GEMM_DECODED, (size_t)(2 * nb * 1024)))) {
                         d1 = d0 + 16 * nb;
                         decode_group16(wg, f, nb, d0);
@@ -484,12 +490,9 @@ void qg_gemm(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
                     break; /* both groups done */
                 }
                 (void)wg2;
-                /* a span of several tiles: a group of 5- or 6-bit blocks decoded once, into the
-                 * thread's scratch (their decode cost ~40% of a tile's work; 4- and 8-bit blocks
-                 * decode faster than they load back) */
                 void *dec = NULL;
 #if defined(HP_AVX512) || defined(HP_AVX2)
-                if (r1 - r0 > QG_ROWS && (fmt_bits(f) == 5 || fmt_bits(f) == 6) &&
+                if (decoded_once(f, r1 - r0) &&
                     (dec = hp_scratch(SCR_GEMM_DECODED, (size_t)(nb * 1024))))
                     decode_group16(wg, f, nb, dec);
 #endif

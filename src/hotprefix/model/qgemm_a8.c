@@ -322,11 +322,11 @@ int qg_gemm8(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
                     const int lanes = group_lanes(n, g);
                     int f, f2 = -1;
                     const uint8_t *wg = group_at(w, g, &f);
-                    if (g + 1 < groups) group_at(w, g + 1, &f2);
+                    const uint8_t *wg2 = g + 1 < groups ? group_at(w, g + 1, &f2) : NULL;
                     decode_group8(wg, f, nb, wt); /* 8-bit groups were refused above (AVX2) */
 #if PAIR8
                     if (g % 2 == 0 && f2 == f && f != QF_K6 && r1 - r0 >= QG8_ROWS) {
-                        decode_group8(group_at(w, g + 1, &f2), f, nb, wt + per);
+                        decode_group8(wg2, f, nb, wt + per);
                         for (int64_t r = r0; r < r1; r += QG8_ROWS) {
                             const int nr = r1 - r < QG8_ROWS ? (int)(r1 - r) : QG8_ROWS;
                             group_rows8_pair(wt, wt + per, nb, au + r * k, sa + r * nb, sq + r * nb,
@@ -336,6 +336,7 @@ int qg_gemm8(const uint8_t *w, int64_t n, int64_t k, const int16_t *qa, const fl
                         break; /* both groups done */
                     }
 #endif
+                    (void)wg2;
                     for (int64_t r = r0; r < r1; r += QG8_ROWS) {
                         const int nr = r1 - r < QG8_ROWS ? (int)(r1 - r) : QG8_ROWS;
                         group_rows8(wt, f, nb, au + r * k, sa + r * nb, sq + r * nb, k, nr,
