@@ -115,6 +115,11 @@ class ModelConfig:
     once per machine with the system C compiler and cached (``hotprefix.model.fused``); they cut a
     batch-1 decode step's operator calls several-fold. Without a compiler, or when off, torch ops
     run it. The two give different bits, so the cache namespace tells them apart."""
+    packed_cache: bool = True
+    """Keep the ``gguf`` mode's packed weights in a file under the cache directory (about the model
+    file's size on disk; the 3 most recently used models are kept) and map it at the next start
+    instead of packing the file again (``hotprefix.model.packed_store``): an 8B Q4_K_M starts in
+    seconds less. Models under 256 MiB of packed weights are never kept."""
     enforce_eager: bool = False
     """No compiled or captured (CUDA graph) step, as vLLM's ``enforce_eager``. hotprefix's forward is
     always eager today, so either value runs the same code: the setting is accepted and recorded for

@@ -33,6 +33,7 @@ from hotprefix.model.kv_dtype import resolve_kv_dtype
 from hotprefix.model.linear import resolve_weights
 from hotprefix.model.llama import LlamaModel
 from hotprefix.model.loader import LoadedModel
+from hotprefix.model.packed_store import PackedStore
 from hotprefix.request.logits import RowInput
 from hotprefix.request.sampling import Sampled, sample
 
@@ -127,8 +128,18 @@ class ModelRunner:
         """The pool's element type (``CacheConfig.kv_cache_dtype``)."""
         self.deterministic = model_cfg.deterministic
         self.arch = arch = loaded.arch
+        kept = (PackedStore([loaded.path], arch.fingerprint_json(),
+                            "a8" if model_cfg.activations == "int8" else "a16", loaded.identity)
+                if model_cfg.packed_cache and loaded.blocks and os.path.isfile(loaded.path) else None)
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
-                                model_cfg.fused_kernels, loaded.blocks, kv, model_cfg.activations)
+                                model_cfg.fused_kernels, loaded.blocks, kv, model_cfg.activations,
+                                kept)
+        self.kept = kept
+        """The packed weights kept on disk (``packed_store.PackedStore``), or None."""
+        self.keeping = kept.keep(loaded.fingerprint_digest) if kept is not None else None
+        """The thread writing the packed weights for the next start (``packed_store``), or None."""
+        if kept is not None and kept.path is not None:
+            log.info("packed weights mapped from %s", kept.path)
         self.block_size = bs = cache_cfg.block_size
         self.bytes_per_token = kv.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
         """Pool bytes a cached token costs (K and V of every layer, int8 scales included)."""

@@ -54,15 +54,12 @@ def _hash(text: str, paths: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def files_digest(paths: list[str], text: str) -> str:
-    """The first 16 hex digits of the SHA-256 of ``text`` then the bytes of ``paths`` in sorted
-    order, remembered per the files' identities (above)."""
-    paths = sorted(paths)
-    try:
-        before = [_identity(p) for p in paths]
-    except OSError:
-        return _hash(text, paths)  # the open below reports what is wrong with the file
-    entry = _entry(text, before)
+def identities(paths: list[str]) -> list[tuple]:
+    """The files' identities (above), in the order given. Raises OSError for a missing file."""
+    return [_identity(p) for p in paths]
+
+
+def _known(entry: str) -> str | None:
     try:
         with open(entry) as f:
             known = f.read()
@@ -70,10 +67,34 @@ def files_digest(paths: list[str], text: str) -> str:
             return known
     except (OSError, UnicodeDecodeError):
         pass
+    return None
+
+
+def remembered_digest(paths: list[str], text: str) -> str | None:
+    """``files_digest``'s digest where it is remembered for the files as they are now, else None
+    (nothing is hashed): the files were settled when hashed and have not changed since."""
+    try:
+        return _known(_entry(text, identities(sorted(paths))))
+    except OSError:
+        return None
+
+
+def files_digest(paths: list[str], text: str) -> str:
+    """The first 16 hex digits of the SHA-256 of ``text`` then the bytes of ``paths`` in sorted
+    order, remembered per the files' identities (above)."""
+    paths = sorted(paths)
+    try:
+        before = identities(paths)
+    except OSError:
+        return _hash(text, paths)  # the open below reports what is wrong with the file
+    entry = _entry(text, before)
+    known = _known(entry)
+    if known is not None:
+        return known
     start = time.time_ns()
     digest = _hash(text, paths)
     try:
-        after = [_identity(p) for p in paths]
+        after = identities(paths)
     except OSError:
         return digest
     settled = all(start - max(i[4], i[5]) >= SETTLED_S * 1e9 for i in after)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -258,14 +259,21 @@ NARROW_FLAG = 8
 (``qgemm_layout.h``'s group_narrow); the format is the entry's low 3 bits."""
 
 
-def pack_weight(parts: list[tuple[str, np.ndarray]], k: int, fill: Fill | None = None,
-                narrow: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Tensors stacked along the output dimension, each (GGUF type, raw bytes [..., bytes a row])
-    -> (the packed buffer: one int64 ``offset << 4 | format`` per group, then the groups, with
-    ``NARROW_FLAG`` in every entry when ``narrow``; each group's format). The groups are written by ``fill`` (``qpack.c``), or without it by the
-    numpy reference (``pack_groups_reference``); either way the rows' pages of a read-only file
-    map are dropped afterwards (``release_pages``). Raises PackError for a group mixing a k-quant
-    with another type, ValueError for rows whose length is not whole blocks of ``k`` inputs."""
+class Kept(Protocol):
+    """Packed buffers kept from an earlier start (``model.packed_store.PackedStore``)."""
+
+    def take(self, key: str, head: np.ndarray, nbytes: int) -> np.ndarray | None:
+        """The buffer kept under ``key`` if its table is ``head`` and it is ``nbytes`` long."""
+
+    def put(self, key: str, buf: np.ndarray) -> None:
+        """``buf``, packed now, to be kept under ``key``."""
+
+
+def pack_head(parts: list[tuple[str, np.ndarray]], k: int,
+              narrow: bool = False) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """The packed buffer's table (one int64 ``offset << 4 | format`` per group, ``NARROW_FLAG``
+    in every entry when ``narrow``), each group's format and the buffer's length in bytes, from
+    the parts' types and shapes alone (no block is read). Raises as ``pack_weight``."""
     for kind, raw in parts:
         if raw.shape[-1] * BLOCK_INPUTS[kind] != k * BLOCK_BYTES[kind]:
             raise ValueError(f"{kind} rows of {raw.shape[-1]} bytes do not hold {k} inputs")
@@ -274,13 +282,33 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int, fill: Fill | None =
     sizes_g = np.array([group_bytes(f, k // BLOCK) for f in fmts], np.int64)
     offsets = 8 * groups + np.concatenate([[0], np.cumsum(sizes_g)[:-1]]).astype(np.int64)
     head = (offsets << 4) | np.array(fmts, np.int64) | (NARROW_FLAG if narrow else 0)
+    return head, tuple(fmts), 8 * groups + int(sizes_g.sum())
+
+
+def pack_weight(parts: list[tuple[str, np.ndarray]], k: int, fill: Fill | None = None,
+                narrow: bool = False, kept: Kept | None = None,
+                key: str = "") -> tuple[np.ndarray, tuple[int, ...]]:
+    """Tensors stacked along the output dimension, each (GGUF type, raw bytes [..., bytes a row])
+    -> (the packed buffer: ``pack_head``'s table, then the groups; each group's format). The
+    groups are written by ``fill`` (``qpack.c``), or without it by the numpy reference
+    (``pack_groups_reference``); either way the rows' pages of a read-only file map are dropped
+    afterwards (``release_pages``). With ``kept``, the buffer it kept under ``key`` with this
+    table and length is returned instead, no row read; else the one packed here is handed to it.
+    Raises PackError for a group mixing a k-quant with another type, ValueError for rows whose
+    length is not whole blocks of ``k`` inputs."""
+    head, fmts, nbytes = pack_head(parts, k, narrow)
+    groups = len(fmts)
+    if kept is not None:
+        buf = kept.take(key, head, nbytes)
+        if buf is not None:
+            return buf, fmts
     if fill is None:
         buf = np.concatenate([head.view(np.uint8), *pack_groups_reference(parts, k, fmts)])
     else:
         # np.empty: numpy asks for transparent huge pages for large arrays. Faulting them in costs
         # the load 0.2-1.3 s of system time here (the kernel compacting memory), 4 KiB pages about
         # 0.25 s, but the GEMMs then stream through 4 KiB pages: decode took ~9% more CPU time
-        buf = np.empty(8 * groups + int(sizes_g.sum()), np.uint8)
+        buf = np.empty(nbytes, np.uint8)
         buf[:8 * groups] = head.view(np.uint8)
         if any(raw.strides[-1] != 1 for _, raw in parts):
             parts = [(kind, np.ascontiguousarray(raw)) for kind, raw in parts]
@@ -290,7 +318,9 @@ def pack_weight(parts: list[tuple[str, np.ndarray]], k: int, fill: Fill | None =
         fill(buf, groups, k, addresses, kinds)
     for _, raw in parts:
         release_pages(raw)
-    return buf, tuple(fmts)
+    if kept is not None:
+        kept.put(key, buf)
+    return buf, fmts
 
 
 def pack_groups_reference(parts: list[tuple[str, np.ndarray]], k: int,

@@ -110,12 +110,20 @@ class _Packer:
     gguf: bool
     narrow_ops: frozenset
     """The GEMMs whose blocks round their activations to 8 bits (``NARROW_GEMMS`` or none)."""
+    kept: Any = None
+    """Packed weights from an earlier start (``packed_store.PackedStore``), or None."""
+
+    def blocks_of(self, op: str, names: list[str]) -> QuantWeight:
+        """The named tensors' blocks packed (or taken from ``kept``). Raises PackError."""
+        narrow = op in self.narrow_ops
+        return QuantWeight([self.blocks[n] for n in names], block_columns(*self.blocks[names[0]]),
+                           self.qlib, narrow=narrow, kept=self.kept,
+                           key=f"{op}:{','.join(names)}:{int(narrow)}")
 
     def __call__(self, op: str, names: list[str]):
         if self.gguf and all(n in self.blocks for n in names):
             try:
-                return QuantWeight([self.blocks[n] for n in names], block_columns(*self.blocks[names[0]]),
-                                   self.qlib, narrow=op in self.narrow_ops)
+                return self.blocks_of(op, names)
             except PackError as e:  # dequantized: the mixed mode's GEMM, fp16 or fp32 weights
                 log.warning("%s: %s; dequantized for the fp32-input GEMM", ", ".join(names), e)
         w = self.weights
@@ -129,7 +137,9 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
                  blocks: dict[str, tuple] | None = None, kv_dtype: KVDtype | None = None,
-                 activations: str = "int16"):
+                 activations: str = "int16", kept=None):
+        """``kept``: packed weights from an earlier start (``packed_store.PackedStore``): the gguf
+        mode takes its buffers from there where they match, and hands it those it packs."""
         self.arch = arch
         self.family = family(arch.arch)
         self.device, self.dtype = device, dtype
@@ -149,7 +159,7 @@ class LlamaModel:
             log.warning("activations='int8' is the gguf mode's: running %s", self.weight_mode)
         self._hold_weights(weights, _Packer(weights, blocks, qlib, pack, pack32, self.fp32_ops,
                                             self.weight_mode == "gguf",
-                                            NARROW_GEMMS if self.narrow else frozenset()))
+                                            NARROW_GEMMS if self.narrow else frozenset(), kept))
         self.numerics = self._numerics_tag(high_tag, qlib)
         """What the K/V values depend on besides the weights: compute dtype, weight mode (and how
         its fp32-input GEMMs hold weights), which attention ran (the C kernel with its key chunk and
@@ -270,8 +280,7 @@ class LlamaModel:
         name = "model.embed_tokens.weight"
         if pk.gguf and name in pk.blocks:
             try:
-                return BlockRows(pk.qlib, QuantWeight([pk.blocks[name]],
-                                                      block_columns(*pk.blocks[name]), pk.qlib))
+                return BlockRows(pk.qlib, pk.blocks_of("embed", [name]))
             except PackError as e:
                 log.warning("%s: %s; dequantized", name, e)
         return self._take(weights, name)

@@ -25,7 +25,7 @@ from dataclasses import field as dataclass_field
 import numpy as np
 import torch
 
-from hotprefix.files.fingerprint import files_digest
+from hotprefix.files.fingerprint import files_digest, identities
 from hotprefix.model.arch import SUPPORTED_ARCHS, family
 from hotprefix.model.gguf_file import GgufFile
 from hotprefix.model.metadata import (DEFAULT_MODEL_FILE, ModelLoadError, default_model_path,
@@ -111,6 +111,9 @@ class LoadedModel:
     path: str
     tokenizer_source: str
     name: str
+    identity: list[tuple] | None = None
+    """A GGUF file's identity (``files.fingerprint.identities``) taken before it was mapped: its
+    bytes are those mapped while the file keeps it."""
     blocks: dict[str, tuple[str, np.ndarray]] = dataclass_field(default_factory=dict)
     """A GGUF's block-quantized matrices as stored (HF name -> (GGUF type, raw bytes [..., bytes a
     row]): views of the file's memory map, rows in C order of the leading axes, Q/K rows in the
@@ -189,6 +192,7 @@ def _load_gguf(path: str) -> LoadedModel:
     except ImportError as e:  # pragma: no cover - dependency
         raise ModelLoadError("the gguf package is needed to load .gguf files") from e
     try:
+        identity = identities([path])  # before the map: a file replaced after this is not it
         reader = GgufFile(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
@@ -275,7 +279,7 @@ def _load_gguf(path: str) -> LoadedModel:
     fp = pool.submit(files_digest, [path], arch.fingerprint_json())
     pool.shutdown(wait=False)
     name = str(field("general.name") or os.path.basename(path))
-    return LoadedModel(arch, weights, fp, path, path, name, blocks)
+    return LoadedModel(arch, weights, fp, path, path, name, identity, blocks)
 
 
 # --------------------------------------------------------------------------- HF directory

@@ -46,15 +46,19 @@ class QuantWeight:
 
     __slots__ = ("packed", "formats", "n", "k", "nbytes", "narrow")
 
-    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int, lib=None, narrow: bool = False):
+    def __init__(self, blocks: list[tuple[str, np.ndarray]], k: int, lib=None, narrow: bool = False,
+                 kept=None, key: str = ""):
         """``blocks``: (GGUF type, raw bytes [..., bytes a row]) of tensors stacked along the
         output dimension (Q/K/V, gate/up); each group of 16 outputs keeps its type's format.
         ``lib``: the compiled kernels, whose ``qg_pack`` (``qpack.c``) writes the groups on
         ``torch.get_num_threads()`` threads; None: the numpy reference (the same bytes, slower).
         ``narrow``: its products round their activations to 8 bits (+-127) instead of 16 (the
         flag in every entry of the buffer's table, which the kernels read).
+        ``kept``: packed weights from an earlier start (``packed_store.PackedStore``), which give
+        the buffer kept under ``key`` instead of packing it, or keep the one packed.
         Raises ``gguf_blocks.PackError`` for a stack the layout cannot hold."""
-        buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib), narrow)
+        buf, self.formats = pack_weight(blocks, k, None if lib is None else _packer(lib), narrow,
+                                        kept, key)
         self.narrow = bool(narrow)
         self.n, self.k = sum(block_rows(raw) for _, raw in blocks), k
         self.packed = torch.from_numpy(buf)
