@@ -349,3 +349,41 @@ def test_gguf_bad_factors_and_other_scaling_are_refused(llama3_dir, tmp_path):
         load_model(str(_write_gguf(llama3_dir, tmp_path / "zero.gguf", np.zeros(8))))
     with pytest.raises(ModelLoadError, match="RoPE scaling type 'linear' is not supported"):
         load_model(str(_write_gguf(llama3_dir, tmp_path / "linear.gguf", None, "linear")))
+
+
+_TABLES_TWICE = """
+import torch
+from hotprefix.model.llama import RotaryEmbedding
+torch.set_num_threads(2)
+a = RotaryEmbedding(64, 10000.0, 256, torch.device("cpu"), torch.float32)
+b = RotaryEmbedding(64, 10000.0, 256, torch.device("cpu"), torch.float32)
+print(int(torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)))
+"""
+
+
+def test_rope_tables_are_the_same_in_every_process_and_call():
+    """The tables are those of float64 cos/sin on one thread, rounded (the values every start had
+    but some: torch's two-thread cos gave the half its worker computed values about 1e-9 off in
+    the first call of about one process in five, a float32 ULP in a few entries, so that start's
+    K/V differed). Fresh processes each build the tables twice: with the old tables one process
+    in five differed, so these four catch it in about three runs of five."""
+    import torch
+
+    from hotprefix.model.llama import RotaryEmbedding
+    from hotprefix.model.rope import inverse_frequencies
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for hd, theta, n in [(64, 10000.0, 4096), (128, 500000.0, 8192), (256, 1e6, 1024)]:
+            f = torch.outer(torch.arange(n, dtype=torch.float64), inverse_frequencies(hd, theta))
+            e = torch.cat([f, f], -1)
+            r = RotaryEmbedding(hd, theta, n, torch.device("cpu"), torch.float32)
+            assert torch.equal(r.cos, e.cos().float()) and torch.equal(r.sin, e.sin().float())
+    finally:
+        torch.set_num_threads(old)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    for _ in range(4):
+        out = subprocess.run([sys.executable, "-c", _TABLES_TWICE], capture_output=True, text=True,
+                             env=env, check=True)
+        assert out.stdout.strip() == "1", out.stderr[-2000:]

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from hotprefix.model.arch import family
@@ -69,16 +70,22 @@ inputs (an int4 head cost the int4 mode most of its KL divergence)."""
 class RotaryEmbedding:
     """cos/sin tables (Hugging Face rotate-half layout) computed once up to max_position, in
     float64 and then rounded to ``dtype``; ``freq_factors`` divide the frequencies (llama3 RoPE
-    scaling, ``ModelArch.rope_freq_factors``)."""
+    scaling, ``ModelArch.rope_freq_factors``).
+
+    The float64 cos and sin are numpy's, on one thread: torch's, on two threads, gave the
+    positions its intra-op worker computed values about 1e-9 off in about one process in five
+    (that worker's first call), a float32 ULP apart in a few entries, so one start's K/V differed
+    from another's. numpy's round to the same float32 tables as torch's on one thread (checked on
+    55 M entries, head sizes 64-256, bases 1e4-1e6)."""
 
     def __init__(self, head_dim: int, theta: float, max_position: int, device, dtype,
                  freq_factors: tuple[float, ...] | None = None):
-        inv = inverse_frequencies(head_dim, theta, freq_factors)
-        t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        inv = inverse_frequencies(head_dim, theta, freq_factors).numpy()
+        freqs = np.outer(np.arange(max_position, dtype=np.float64), inv)
+        cos = torch.from_numpy(np.cos(freqs)).to(dtype)
+        sin = torch.from_numpy(np.sin(freqs)).to(dtype)
+        self.cos = torch.cat([cos, cos], dim=-1).to(device)
+        self.sin = torch.cat([sin, sin], dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -90,7 +90,7 @@ class PackedStore:
         self.path: Path | None = None
         """The store file this start read, or None."""
         self._index: dict[str, list[int]] = {}
-        self._map: mmap.mmap | None = None
+        self._data: mmap.mmap | np.ndarray | None = None  # the store file's bytes
         self._weights: dict[str, np.ndarray] = {}  # every weight, in order: taken or packed
         self.packed = 0
         """Weights packed this start (not found in the store)."""
@@ -113,15 +113,13 @@ class PackedStore:
         try:
             with open(path, "rb") as f:
                 index = self._read_index(f)
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._data = _huge_map_or_read(f)
         except FileNotFoundError:
             return
         except (OSError, ValueError) as e:
             self._looked_at.add(path)
             log.warning("packed weights %s passed over (%s): packing the model", path, e)
             return
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
         self._index, self.path = index, path
         self._looked_at.add(path)
         try:
@@ -153,10 +151,10 @@ class PackedStore:
         """The weight kept under ``key`` as a view of the store file, if its table is ``head``
         and it is ``nbytes`` long; else None (logged where the store has the key)."""
         where = self._index.get(key)
-        if where is None or self._map is None:
+        if where is None or self._data is None:
             return None
         off, nb = where
-        buf = np.frombuffer(self._map, np.uint8, nb, off)
+        buf = np.frombuffer(self._data, np.uint8, nb, off)
         table = head.view(np.uint8)
         if nb != nbytes or not np.array_equal(buf[:table.size], table):
             log.warning("packed weights %s: %s does not match the model: packed again", self.path, key)
@@ -226,6 +224,46 @@ class PackedStore:
                     f.write(memoryview(np.ascontiguousarray(buf)).cast("B"))
                 f.truncate(max(off + nb for off, nb in index.values()))
         return path
+
+
+def huge_mapped(mm: mmap.mmap) -> bool:
+    """Whether at least half of a file mapping is mapped 2 MiB at a time (``FilePmdMapped`` in
+    ``/proc/self/smaps``) once one byte of each 2 MiB is read: the file system keeps the file in
+    large folios and the kernel maps them whole (ext4 and xfs on recent kernels)."""
+    view = np.frombuffer(mm, np.uint8)
+    start = view.ctypes.data
+    int(view[::2 << 20].sum())  # one read each 2 MiB: a fault maps the whole folio where it can
+    del view
+    try:
+        with open("/proc/self/smaps") as f:
+            ours = False
+            for line in f:
+                if "-" in line.split(" ", 1)[0] and not line[0].isupper():  # a mapping's first line
+                    ours = int(line.split("-", 1)[0], 16) == start
+                elif ours and line.startswith("FilePmdMapped:"):
+                    return int(line.split()[1]) * 1024 >= len(mm) // 2
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _huge_map_or_read(f) -> mmap.mmap | np.ndarray:
+    """The store file's bytes: its private mapping where the kernel maps it in 2 MiB pages
+    (``huge_mapped``), else read into anonymous memory, which numpy asks to back with huge pages:
+    the GEMMs stream the weights, and through 4 KiB pages a 1B model's decode took 14% longer
+    (55.5 against 48.5 ms a token, side by side)."""
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    if huge_mapped(mm):
+        return mm
+    mm.close()
+    data = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+    f.seek(0)
+    got = f.readinto(memoryview(data))
+    if got != data.size:
+        raise ValueError(f"read {got} of {data.size} bytes")
+    return data
 
 
 def prune(newest: Path, keep: int = MAX_KEPT, stale_s: float = 3600.0) -> None:
