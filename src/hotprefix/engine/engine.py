@@ -108,7 +108,9 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.load(config.model.tokenizer or loaded.tokenizer_source,
                                                      chat_template=config.model.chat_template)
         self.tokenizer_fingerprint = self.tokenizer.fingerprint
-        self.runner = ModelRunner(loaded, config.model, config.cache)
+        self.max_model_len = asked or min(loaded.arch.max_position, MAX_DEFAULT_MODEL_LEN)
+        """Prompt + output tokens a sequence may reach (``SchedulerConfig.max_model_len``)."""
+        self.runner = ModelRunner(loaded, config.model, config.cache, self.max_model_len)
         self.model_fingerprint = loaded.fingerprint  # a GGUF's is hashed while the runner packs
         del loaded
         cc = config.cache
@@ -130,8 +132,6 @@ class LLMEngine:
         self.kv_events = open_kv_events(cc, pool, [n.rstrip("0123456789") for n in tier_names],
                                         windows)
         """The KV events publisher (``--kv-events``), or None."""
-        arch_len = self.runner.arch.max_position
-        self.max_model_len = config.scheduler.max_model_len or min(arch_len, MAX_DEFAULT_MODEL_LEN)
         self.scheduler = Scheduler(config.scheduler, self.cache, self.max_model_len)
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id (a group's first sequence)."""

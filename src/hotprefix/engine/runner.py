@@ -115,7 +115,10 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig):
+    def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig,
+                 positions: int | None = None):
+        """``positions``: the most positions a sequence reaches (the engine's ``max_model_len``;
+        None: the model's), which the RoPE tables cover."""
         if model_cfg.num_threads:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = pick_device(model_cfg.device)
@@ -133,7 +136,7 @@ class ModelRunner:
                 if model_cfg.packed_cache and loaded.blocks and os.path.isfile(loaded.path) else None)
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
                                 model_cfg.fused_kernels, loaded.blocks, kv, model_cfg.activations,
-                                kept)
+                                kept, positions)
         self.kept = kept
         """The packed weights kept on disk (``packed_store.PackedStore``), or None."""
         self.keeping = kept.keep(loaded.fingerprint_digest) if kept is not None else None

@@ -17,6 +17,7 @@ This module knows nothing about requests, the prefix cache or weight names in fi
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -81,11 +82,22 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, max_position: int, device, dtype,
                  freq_factors: tuple[float, ...] | None = None):
         inv = inverse_frequencies(head_dim, theta, freq_factors).numpy()
-        freqs = np.outer(np.arange(max_position, dtype=np.float64), inv)
-        cos = torch.from_numpy(np.cos(freqs)).to(dtype)
-        sin = torch.from_numpy(np.sin(freqs)).to(dtype)
-        self.cos = torch.cat([cos, cos], dim=-1).to(device)
-        self.sin = torch.cat([sin, sin], dim=-1).to(device)
+        half = inv.shape[0]
+        cos = np.empty((max_position, 2 * half), np.float32)
+        sin = np.empty((max_position, 2 * half), np.float32)
+
+        def rows(lo: int, hi: int) -> None:  # numpy's ufuncs let go of the GIL: rows on threads
+            freqs = np.outer(np.arange(lo, hi, dtype=np.float64), inv)
+            for fn, out in ((np.cos, cos), (np.sin, sin)):
+                fn(freqs, out=out[lo:hi, :half], casting="same_kind")  # float64, then rounded
+                out[lo:hi, half:] = out[lo:hi, :half]
+
+        threads = max(1, torch.get_num_threads())
+        step = -(-max_position // threads)
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(rows, range(0, max_position, step), range(step, max_position + step, step)))
+        self.cos = torch.from_numpy(cos).to(device=device, dtype=dtype)
+        self.sin = torch.from_numpy(sin).to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -144,9 +156,12 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, weight_mode: str = "auto", fused_kernels: bool = True,
                  blocks: dict[str, tuple] | None = None, kv_dtype: KVDtype | None = None,
-                 activations: str = "int16", kept=None):
+                 activations: str = "int16", kept=None, positions: int | None = None):
         """``kept``: packed weights from an earlier start (``packed_store.PackedStore``): the gguf
-        mode takes its buffers from there where they match, and hands it those it packs."""
+        mode takes its buffers from there where they match, and hands it those it packs.
+        ``positions``: how many positions the RoPE tables cover (None: the model's
+        ``max_position``); a position past them is refused (IndexError), never read."""
+        self.positions = positions or arch.max_position
         self.arch = arch
         self.family = family(arch.arch)
         self.device, self.dtype = device, dtype
@@ -295,11 +310,11 @@ class LlamaModel:
     def _layer_tables(self) -> None:
         """Sets each layer's RoPE tables and window, the embedding scale and the attention sizes."""
         arch, device = self.arch, self.device
-        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position, device,
+        self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.positions, device,
                                     torch.float32, arch.rope_freq_factors)
         local = set(arch.local_layers)
         local_rope = (RotaryEmbedding(arch.head_dim, arch.rope_theta_local or arch.rope_theta,
-                                      arch.max_position, device, torch.float32)
+                                      self.positions, device, torch.float32)
                       if local else None)
         self.layer_rope = [local_rope if i in local else self.rope for i in range(arch.num_layers)]
         """Each layer's RoPE tables: the local layers' base (no scaling) or the global ones'."""
