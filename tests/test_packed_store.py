@@ -220,6 +220,21 @@ def test_a_file_changed_after_it_was_mapped_is_not_kept(tmp_path, store_dir):
     assert not store_dir.exists()
 
 
+def test_nothing_is_kept_where_it_would_leave_the_disk_nearly_full(tmp_path, store_dir, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 30, 91 << 30, 9 << 30))
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, KINDS)
+    _, kept = start(path)  # 9 GiB free of 100: a store would leave under a tenth
+    assert kept.packed > 0 and not list(store_dir.glob("*.bin"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 30, 80 << 30, 20 << 30))
+    start(path)
+    assert len(list(store_dir.glob("*.bin"))) == 1
+
+
 def test_small_models_are_not_kept(tmp_path, store_dir, monkeypatch):
     monkeypatch.setattr(packed_store, "MIN_BYTES", 1 << 30)
     path = tmp_path / "m.gguf"

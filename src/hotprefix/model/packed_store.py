@@ -20,8 +20,13 @@ weights are packed, then kept again. A store that cannot be written (read-only o
 logged and passed over.
 
 Disk: one file about the model file's size per model and width; the ``MAX_KEPT`` most recently
-used are kept, and older ones removed when a new one is written. Models whose packed weights are
+used are kept, and older ones removed when a new one is written; none is written where it would
+leave less than ``MIN_FREE`` (or a tenth of the file system) free. Models whose packed weights are
 under ``MIN_BYTES`` pack in a fraction of a second and are not kept.
+
+Memory: where the kernel maps the file in 2 MiB pages (``huge_mapped``) the weights are views of
+the page cache, shared by every process that maps the store (a fleet's replicas on one machine);
+elsewhere the file is read into anonymous memory, as packing would have filled.
 
 numpy and the standard library; knows nothing of the kernels.
 """
@@ -33,6 +38,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 import threading
 import time
@@ -57,6 +63,9 @@ MIN_BYTES = 256 << 20
 """Packed weights under this many bytes are not kept (they pack in a fraction of a second)."""
 MAX_KEPT = 3
 """Store files kept (the most recently used); older ones are removed when one is written."""
+MIN_FREE = 1 << 30
+"""Bytes a store's write leaves free on its file system at the least (or a tenth of it, if more):
+a KV disk tier or a log beside it must not find the disk full."""
 _LAYOUT_SOURCES = ("gguf_blocks.py", "qpack.c", "qgemm_layout.h")
 """The code that decides the packed bytes: a change to any of it is a new layout."""
 
@@ -192,6 +201,13 @@ class PackedStore:
                 return
             path = self._file(digest)
             if path.exists() and path not in self._looked_at:  # another process (a replica) kept it
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            disk = shutil.disk_usage(path.parent)
+            need = sum(b.nbytes for b in weights.values()) + max(MIN_FREE, disk.total // 10)
+            if disk.free < need:
+                log.info("packed weights not kept: %.1f GiB free in %s, %.1f GiB wanted",
+                         disk.free / 2**30, path.parent, need / 2**30)
                 return
             self.write(path, weights)
         except Exception as e:  # a read-only or full disk: the next start packs again
