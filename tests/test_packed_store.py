@@ -235,6 +235,16 @@ def test_nothing_is_kept_where_it_would_leave_the_disk_nearly_full(tmp_path, sto
     assert len(list(store_dir.glob("*.bin"))) == 1
 
 
+def test_without_the_packing_sources_nothing_is_kept_or_read(tmp_path, store_dir, monkeypatch):
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, KINDS)
+    fresh, _ = start(path)
+    monkeypatch.setattr(packed_store, "_LAYOUT_SOURCES", ("no-such-file.c",))
+    model, kept = start(path)
+    assert kept.path is None and kept.packed > 0 and kept.keep("0" * 16) is None
+    assert torch.equal(logits(model), logits(fresh))
+
+
 def test_small_models_are_not_kept(tmp_path, store_dir, monkeypatch):
     monkeypatch.setattr(packed_store, "MIN_BYTES", 1 << 30)
     path = tmp_path / "m.gguf"

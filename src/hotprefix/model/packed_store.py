@@ -94,7 +94,11 @@ class PackedStore:
         (None: unknown, nothing is read or kept). A file whose identity is no longer that one has
         other bytes than those mapped: its store is neither read nor written."""
         self.paths, self.text, self.width = sorted(paths), text, width
-        self.layout = layout_version()
+        try:
+            self.layout = layout_version()
+        except OSError as e:  # the packing code's sources are not installed: nothing kept or read
+            log.info("packed weights not kept (%s)", e)
+            identity = None
         self._identity = identity
         self.path: Path | None = None
         """The store file this start read, or None."""
