@@ -287,13 +287,14 @@ def test_the_runner_keeps_and_maps_the_default_model(tmp_path, store_dir):
     from hotprefix.request.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    off = LLM(kv_cache_memory="32MiB", num_threads=2, packed_cache=False)
+    kw = {"kv_cache_memory": "32MiB", "num_threads": 2, "weights": "gguf"}  # gguf at every level
+    off = LLM(packed_cache=False, **kw)
     assert off.engine.runner.keeping is None and not store_dir.exists()
     want = off.generate("The capital of France is", sp)[0].outputs[0].token_ids
-    first = LLM(kv_cache_memory="32MiB", num_threads=2)
+    first = LLM(**kw)
     first.engine.runner.keeping.join()
     assert len(list(store_dir.glob("*.bin"))) == 1
-    second = LLM(kv_cache_memory="32MiB", num_threads=2)
+    second = LLM(**kw)
     assert second.engine.runner.keeping is None  # nothing packed: nothing to write
     assert second.generate("The capital of France is", sp)[0].outputs[0].token_ids == want
     assert first.engine.namespace == second.engine.namespace == off.engine.namespace
