@@ -133,7 +133,7 @@ class ModelRunner:
         self.arch = arch = loaded.arch
         kept = (PackedStore([loaded.path], arch.fingerprint_json(),
                             "a8" if model_cfg.activations == "int8" else "a16", loaded.identity)
-                if model_cfg.packed_cache and loaded.blocks and os.path.isfile(loaded.path) else None)
+                if model_cfg.packed_cache and loaded.blocks else None)  # blocks: a GGUF file
         self.model = LlamaModel(arch, loaded.weights, self.device, self.dtype, model_cfg.weights,
                                 model_cfg.fused_kernels, loaded.blocks, kv, model_cfg.activations,
                                 kept, positions)

@@ -73,7 +73,7 @@ class RotaryEmbedding:
     float64 and then rounded to ``dtype``; ``freq_factors`` divide the frequencies (llama3 RoPE
     scaling, ``ModelArch.rope_freq_factors``).
 
-    The float64 cos and sin are numpy's, on one thread: torch's, on two threads, gave the
+    The float64 cos and sin are numpy's, each row on one thread: torch's, on two threads, gave the
     positions its intra-op worker computed values about 1e-9 off in about one process in five
     (that worker's first call), a float32 ULP apart in a few entries, so one start's K/V differed
     from another's. numpy's round to the same float32 tables as torch's on one thread (checked on
@@ -137,7 +137,7 @@ class _Packer:
         narrow = op in self.narrow_ops
         return QuantWeight([self.blocks[n] for n in names], block_columns(*self.blocks[names[0]]),
                            self.qlib, narrow=narrow, kept=self.kept,
-                           key=f"{op}:{','.join(names)}:{int(narrow)}")
+                           key=f"{op}:{','.join(names)}")  # the width: the store's name
 
     def __call__(self, op: str, names: list[str]):
         if self.gguf and all(n in self.blocks for n in names):

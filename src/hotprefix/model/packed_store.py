@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"hotprefix packed weights\n"
 """A store file's first bytes; then the index's length (8 bytes, little-endian), the index (JSON:
-the fingerprint, the layout, each weight's key -> [offset, length]) and the weights, each at a
+the layout, each weight's key -> [offset in the file, length]) and the weights, each at a
 multiple of ``ALIGN``."""
 ALIGN = 4096
 """Alignment of each weight in a store file (a page)."""
@@ -107,7 +107,7 @@ class PackedStore:
         self._weights: dict[str, np.ndarray] = {}  # every weight, in order: taken or packed
         self.packed = 0
         """Weights packed this start (not found in the store)."""
-        self._looked_at: set[Path] = set()  # store files found at start (read, or passed over)
+        self._seen: Path | None = None  # the store file found at start (read, or passed over)
         digest = remembered_digest(self.paths, text) if self._unchanged() else None
         if digest is not None:
             self._open(self._file(digest))
@@ -130,11 +130,11 @@ class PackedStore:
         except FileNotFoundError:
             return
         except (OSError, ValueError) as e:
-            self._looked_at.add(path)
+            self._seen = path
             log.warning("packed weights %s passed over (%s): packing the model", path, e)
             return
         self._index, self.path = index, path
-        self._looked_at.add(path)
+        self._seen = path
         try:
             os.utime(path)  # the most recently used are kept
         except OSError:
@@ -204,7 +204,7 @@ class PackedStore:
                 log.info("packed weights not kept: the model file changed or is not settled")
                 return
             path = self._file(digest)
-            if path.exists() and path not in self._looked_at:  # another process (a replica) kept it
+            if path.exists() and path != self._seen:  # another process (a replica) kept it
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
             disk = shutil.disk_usage(path.parent)
@@ -223,18 +223,16 @@ class PackedStore:
 
     def write(self, path: Path, weights: dict[str, np.ndarray]) -> Path:
         """``weights`` in a store file at ``path``, whole or not at all (``files.atomic``)."""
-        index, off = {}, 0
-        for key, buf in weights.items():
-            index[key] = [off, buf.nbytes]
-            off = _align(off + buf.nbytes)
-        # the offsets above are from the weights' start, which follows the index: fixed below
-        body = json.dumps({"layout": self.layout, "weights": index}).encode()
-        start = _align(len(MAGIC) + 8 + len(body) + 64 + 24 * len(index))
-        for where in index.values():
-            where[0] += start
-        body = json.dumps({"layout": self.layout, "weights": index}).encode()
-        assert len(MAGIC) + 8 + len(body) <= start
-        path.parent.mkdir(parents=True, exist_ok=True)
+        start = 0  # where the weights begin: after the index, whose offsets say where that is
+        while True:
+            index, off = {}, start
+            for key, buf in weights.items():
+                index[key] = [off, buf.nbytes]
+                off = _align(off + buf.nbytes)
+            body = json.dumps({"layout": self.layout, "weights": index}).encode()
+            if _align(len(MAGIC) + 8 + len(body)) == start:
+                break
+            start = _align(len(MAGIC) + 8 + len(body))
         with atomic_path(path) as tmp:
             os.chmod(tmp, 0o644)
             with open(tmp, "wb") as f:
