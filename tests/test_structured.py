@@ -24,7 +24,7 @@ from hotprefix.request.structured import GrammarCompiler, GrammarError, Structur
 
 @pytest.fixture(scope="module")
 def compiler(default_tokenizer):
-    c = GrammarCompiler(default_tokenizer.hf, default_tokenizer.vocab_size, default_tokenizer.eos_token_ids)
+    c = GrammarCompiler(default_tokenizer, default_tokenizer.vocab_size, default_tokenizer.eos_token_ids)
     yield c
     c.close()
 

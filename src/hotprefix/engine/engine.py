@@ -139,7 +139,7 @@ class LLMEngine:
         """Every sequence of each unfinished request, by the request's id (``n`` / ``best_of``)."""
         self._ids = itertools.count()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id, while unfinished
-        self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.arch.vocab_size,
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.arch.vocab_size,
                                         self.tokenizer.eos_token_ids)
         """Structured outputs' compiler and its LRU of compiled grammars (per tenant salt)."""
         self._grammar_states: dict[str, GrammarState] = {}  # by request id, constrained ones

@@ -283,8 +283,12 @@ class GrammarCompiler:
     """Compiles structured-output specs against one tokenizer and vocabulary; an LRU of the
     compiled grammars keyed by (scope, spec digest). Thread-safe."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]):
-        self._hf = hf_tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]):
+        """Args:
+            tokenizer: ``hotprefix.text.tokenizer.Tokenizer``; its transformers object (``hf``) is
+                asked for on the first constrained request only (it may import transformers).
+        """
+        self._text = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lock = threading.Lock()
@@ -298,7 +302,8 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 self._lltok = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=max(self.vocab_size, len(self._hf)), eos_token=self._eos or None)
+                    self._text.hf, n_vocab=max(self.vocab_size, self._text.vocab_size),
+                    eos_token=self._eos or None)
             return self._lltok
 
     def compile(self, spec: StructuredOutputsParams, scope: str | None = None) -> Grammar:
@@ -321,7 +326,7 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {KIND_NAMES[spec.kind]} does not compile: {matcher.get_error()}")
-        grammar = Grammar(matcher, max(self.vocab_size, len(self._hf)), self._executor,
+        grammar = Grammar(matcher, max(self.vocab_size, self._text.vocab_size), self._executor,
                           unenforced_keywords(messages or []))
         with self._lock:
             self._cache[key] = grammar

@@ -101,8 +101,7 @@ class TokenText:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        dec = getattr(getattr(tokenizer.hf, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = type(dec).__name__ == "ByteLevel"
+        self.byte_level = tokenizer.byte_level
         self._bytes: dict[int, list[int]] = {}
 
     def text(self, token_id: int, decoded: str | None = None) -> str:
@@ -114,7 +113,7 @@ class TokenText:
         if got is None:
             got = None
             if self.byte_level:
-                piece = self.tokenizer.hf.convert_ids_to_tokens(token_id)
+                piece = self.tokenizer.convert_ids_to_tokens([token_id])[0]
                 table = _byte_decoder()
                 if isinstance(piece, str) and piece and all(ch in table for ch in piece) \
                         and token_id not in self.tokenizer.skipped_token_ids:

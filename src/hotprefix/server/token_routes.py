@@ -99,7 +99,7 @@ async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(tenant_dep),
         ids = await text_prompt(state, prompt, "prompt") if prompt else []
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if body.return_token_strs:  # vLLM's: the vocabulary's pieces (``Ġworld``)
-        out["token_strs"] = state.tokenizer.hf.convert_ids_to_tokens(ids)
+        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
     if body.with_pieces:  # llama-server's: each token's text
         out["tokens"] = [{"id": i, "piece": state.tokenizer.decode([i], skip_special_tokens=False,
                                                                    continuation=n > 0)}

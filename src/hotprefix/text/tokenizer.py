@@ -26,12 +26,13 @@ import json
 import logging
 import os
 import shutil
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from hotprefix.text import spm_vocab
+from hotprefix.text import spm_vocab, tokenizer_snapshot
 from hotprefix.text.prefix_tokens import PrefixTokens, splits_at_specials
 from hotprefix.files.atomic import atomic_path
 from hotprefix.files.cachedir import cache_dir
@@ -43,13 +44,18 @@ class TokenizerError(ValueError):
     """The tokenizer could not be loaded or a chat template could not be applied."""
 
 
-def _quiet_hf() -> None:
-    from transformers.utils import logging as hf_logging  # here: importing it takes ~0.5 s
-
-    hf_logging.set_verbosity_error()
+def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet_hf() -> None:
+    """Called before transformers is used: importing it takes 0.4-0.6 s, so only where needed."""
+    from transformers.utils import logging as hf_logging
+
+    _offline()
+    hf_logging.set_verbosity_error()
 
 
 PREFIX_MAX_SPECIALS = 16
@@ -93,6 +99,7 @@ def _spm_merges(vocab: spm_vocab.SpmVocab, digest: str) -> list[tuple[str, str]]
 
 @functools.cache
 def _spm_class() -> type:
+    _quiet_hf()
     from transformers import PreTrainedTokenizerFast
 
     class SpmGgufTokenizer(PreTrainedTokenizerFast):
@@ -142,23 +149,32 @@ def _gguf_tokenizer(path: str) -> Any:
     return _transformers_gguf_tokenizer(path)
 
 
-def _transformers_gguf_tokenizer(path: str) -> Any:
+def _transformers_gguf_tokenizer(path: str, snapshot: bool = True) -> Any:
     """A GGUF file's tokenizer by transformers. transformers builds it from the file's metadata in seconds (every
     token and merge parsed in Python), so the result is saved once per file under the cache
     directory (keyed by the file's path, size and modification time and the transformers version)
-    and loaded from there afterwards, in a fraction of a second. A cache that cannot be written or
-    read is passed over: the tokenizer is then built from the file."""
-    from transformers import __version__ as hf_version
-
+    and loaded from there afterwards, in a fraction of a second; with the save, a snapshot of the
+    built object (``tokenizer_snapshot``) that later starts read without importing transformers. A
+    cache that cannot be written or read is passed over: the tokenizer is then built from the file."""
     st = os.stat(path)
-    ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{hf_version}"
+    ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{metadata.version('transformers')}"
     saved = cache_dir("tokenizers") / hashlib.sha256(ident.encode()).hexdigest()[:16]
+    if saved.is_dir() and snapshot:  # transformers' object, when asked for, as a start without
+        # the snapshot would have it (the save, or the file where the save is damaged)
+        light = tokenizer_snapshot.load(saved, functools.partial(_transformers_gguf_tokenizer, path, False))
+        if light is not None:
+            return light
     if saved.is_dir():
         try:
-            return _load_saved(saved)
+            tok = _load_saved(saved)
         except Exception as e:  # a damaged entry: rebuilt from the file below
             log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
             shutil.rmtree(saved, ignore_errors=True)
+        else:
+            if snapshot:
+                tokenizer_snapshot.keep(tok, saved)
+            return tok
+    _quiet_hf()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
@@ -169,21 +185,20 @@ def _transformers_gguf_tokenizer(path: str) -> Any:
             tok.save_pretrained(tmp)
     except Exception as e:  # not writable, disk full, or another process saved it first
         log.info("tokenizer not cached (%s)", e)
+    else:
+        if snapshot:
+            tokenizer_snapshot.keep(tok, saved)
     return tok
-
-
-GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-"""transformers' generic fast tokenizer (its name in 5.x and before): a saved one of these is loaded
-by that class directly, not through ``AutoTokenizer``, whose class lookup cost ~0.3 s of every
-start."""
 
 
 def _load_saved(saved: Path) -> Any:
     """A tokenizer this module saved (``_transformers_gguf_tokenizer``): the class its config names,
     by the generic fast class where it is that one (the same object ``AutoTokenizer`` gives)."""
+    _quiet_hf()
     with open(saved / "tokenizer_config.json", encoding="utf-8") as f:
         cls = json.load(f).get("tokenizer_class")
-    if cls in GENERIC_CLASSES:
+    if cls in tokenizer_snapshot.GENERIC_CLASSES:  # loaded by that class, not through
+        # ``AutoTokenizer``, whose class lookup costs ~0.3 s
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(saved))
@@ -249,19 +264,21 @@ class Tokenizer:
                 raise TokenizerError(f"chat template {chat_template!r} unreadable: {e}") from None
             if not template.strip():
                 raise TokenizerError(f"chat template {chat_template!r} is empty")
-        _quiet_hf()
-        from transformers import PreTrainedTokenizerFast
-
+        _offline()
         if not os.path.exists(path):
             raise TokenizerError(f"tokenizer source not found: {path}")
         try:
             if path.endswith(".gguf"):
                 tok = _gguf_tokenizer(path)
             elif os.path.isdir(path):
+                _quiet_hf()
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(path)
             elif path.endswith(".json"):
+                _quiet_hf()
+                from transformers import PreTrainedTokenizerFast
+
                 tok = PreTrainedTokenizerFast(tokenizer_file=path)
                 cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
                 if os.path.exists(cfg_path):
@@ -286,8 +303,21 @@ class Tokenizer:
 
     @property
     def hf(self) -> Any:
-        """The Hugging Face tokenizer object (for libraries that read it, e.g. llguidance)."""
+        """The Hugging Face tokenizer object (for libraries that read it, e.g. llguidance); a
+        snapshot's (``tokenizer_snapshot``) is loaded by transformers on first use."""
+        if isinstance(self._tok, tokenizer_snapshot.SnapshotTokenizer):
+            return self._tok.transformers()
         return self._tok
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's pieces of ``token_ids`` (``Ġworld``, not the text)."""
+        return list(self._tok.convert_ids_to_tokens(list(token_ids)))
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the pieces spell bytes (a byte-level BPE decoder), not text."""
+        decoder = getattr(getattr(self._tok, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel"
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = True, scope: str | None = None) -> list[int]:
