@@ -9,8 +9,11 @@
  *   kind 2  vpdpwssd zmm (AVX-512 VNNI: 32)
  *   kind 3  tdpbssd, 16 x 16 x 64 int8 (AMX: 16,384 int8 multiply-adds; the amx level's int16
  *           product takes two of them, so its int16 peak is half)
- * Returns multiply-adds per second over all threads (int8 ones for kind 3), or -1 for an unknown
- * kind or where the AMX tiles are refused.
+ *   kind 4  vfmadd231ps ymm (FMA: 8 fp32 multiply-adds; the C attention's dot products and
+ *           weighted sums at the avx2 level)
+ *   kind 5  vfmadd231ps zmm (AVX-512: 16 fp32; the attention at the avx512 and amx levels)
+ * Returns multiply-adds per second over all threads (int8 ones for kind 3, fp32 for 4 and 5), or
+ * -1 for an unknown kind or where the AMX tiles are refused.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -55,6 +58,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void k_vnni512(lon
          _mm512_add_epi32(a[0], a[i]))
 }
 
+__attribute__((target("avx2,fma"))) static void k_fma256(long iters) {
+    __m256 w = _mm256_set1_ps(0.999f), p = _mm256_set1_ps(1e-3f);
+    LOOP(__m256, _mm256_setzero_ps(), _mm256_fmadd_ps(w, a[i], p), _mm256_add_ps(a[0], a[i]))
+}
+
+__attribute__((target("avx512f"))) static void k_fma512(long iters) {
+    __m512 w = _mm512_set1_ps(0.999f), p = _mm512_set1_ps(1e-3f);
+    LOOP(__m512, _mm512_setzero_ps(), _mm512_fmadd_ps(w, a[i], p), _mm512_add_ps(a[0], a[i]))
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -92,8 +105,8 @@ __attribute__((target("amx-tile,amx-int8"))) static void k_amx(long iters) {
 }
 
 double isa_peak(int kind, int threads, double seconds) {
-    static const double per_instr[] = {16, 16, 32, 16 * 16 * 64};
-    if (kind < 0 || kind > 3) return -1;
+    static const double per_instr[] = {16, 16, 32, 16 * 16 * 64, 8, 16};
+    if (kind < 0 || kind > 5) return -1;
     if (kind == 3 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) != 0) return -1;
     /* a first short run sizes the timed one */
     long iters = kind == 3 ? 60000 : 2000000;
@@ -106,6 +119,8 @@ double isa_peak(int kind, int threads, double seconds) {
             case 0: k_madd(iters); break;
             case 1: k_vnni256(iters); break;
             case 2: k_vnni512(iters); break;
+            case 4: k_fma256(iters); break;
+            case 5: k_fma512(iters); break;
             default: k_amx(iters); break;
             }
         }

@@ -24,6 +24,8 @@ KINDS = {  # kind: (isa_peak.c's number, the CPU flags it needs, what one multip
     "vpdpwssd ymm": (1, {"avx_vnni"}, "int16"),
     "vpdpwssd zmm": (2, {"avx512f", "avx512bw", "avx512_vnni"}, "int16"),
     "tdpbssd (AMX)": (3, {"amx_tile", "amx_int8"}, "int8"),
+    "vfmadd231ps ymm": (4, {"avx2", "fma"}, "fp32"),
+    "vfmadd231ps zmm": (5, {"avx512f"}, "fp32"),
 }
 LEVEL_KIND = {"avx2": "vpmaddwd ymm", "avxvnni": "vpdpwssd ymm", "avx512": "vpdpwssd zmm",
               "amx": "tdpbssd (AMX)"}
