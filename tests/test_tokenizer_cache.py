@@ -8,6 +8,7 @@ behave differently is never kept."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import logging
 import shutil
 import subprocess
@@ -188,3 +189,59 @@ def test_a_damaged_entry_is_rebuilt_and_an_unwritable_cache_is_passed_over(monke
     blocked.write_text("")
     monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(blocked))  # a directory cannot be made under it
     assert _observed(Tokenizer.load(gguf)) == want
+
+
+def _bpe_gguf(path, *, pre: str, add_bos: bool, add_eos: bool, template: str | None) -> str:
+    """A tokenizer-only GGUF with the default model's byte-level BPE vocabulary and merges, its
+    flags, pre-tokenizer and chat template as given (the class of file: Llama 3, Qwen, SmolLM2)."""
+    import gguf
+
+    r = gguf.GGUFReader(default_model_path())
+    f = {k: v.contents() for k, v in r.fields.items() if k.startswith("tokenizer.ggml.")}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(f["tokenizer.ggml.tokens"])
+    w.add_token_types(f["tokenizer.ggml.token_type"])
+    w.add_token_merges(f["tokenizer.ggml.merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(add_eos)
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+LLAMA3_TOOLS = (Path(__file__).parent / "data" / "templates" / "llama3_tools.jinja").read_text()
+
+
+@pytest.mark.parametrize("pre,add_bos,add_eos,template", [
+    ("llama-bpe", True, False, LLAMA3_TOOLS),  # Llama 3's: a BOS before every text
+    ("qwen2", False, True, None),  # an EOS after it, no chat (a base model)
+])
+def test_other_bpe_files_read_back_from_a_snapshot_as_transformers_built_them(tmp_path, monkeypatch, pre,
+                                                                             add_bos, add_eos, template):
+    monkeypatch.setenv("HOTPREFIX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _bpe_gguf(tmp_path / "tok.gguf", pre=pre, add_bos=add_bos, add_eos=add_eos, template=template)
+    first = Tokenizer.load(path)
+    second = Tokenizer.load(path)
+    assert not isinstance(first._tok, tokenizer_snapshot.SnapshotTokenizer)
+    assert isinstance(second._tok, tokenizer_snapshot.SnapshotTokenizer)
+    ids = second.encode("Hello")
+    assert (ids[0] == 1) == add_bos and (ids[-1] == 2) == add_eos  # the flags took effect
+    observe = _observed if template else lambda t: _observed_no_chat(t)
+    assert observe(second) == observe(first)
+
+
+def _observed_no_chat(tok: Tokenizer) -> tuple:
+    ids = [tok.encode(t) for t in TEXTS]
+    with pytest.raises(Exception, match="no chat template"):
+        tok.render_chat(CHAT)
+    return (tok.fingerprint, tok.vocab_size, tok.eos_token_ids, tok.skipped_token_ids, ids,
+            [tok.decode(i, skip_special_tokens=False) for i in ids],
+            [tok.convert_ids_to_tokens(i) for i in ids], tok.add_specials([5, 6]), tok.max_token_bytes)
