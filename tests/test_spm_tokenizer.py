@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ import pytest
 spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")
 
-from hotprefix.text import spm_vocab  # noqa: E402
+from hotprefix.text import spm_vocab, tokenizer_snapshot  # noqa: E402
 from hotprefix.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from hotprefix.text.tokenizer import Tokenizer, TokenizerError  # noqa: E402
 
@@ -547,3 +548,48 @@ def test_gemma3_streaming_equals_decode_on_random_ids_and_text(gemma):
         assert all(final.startswith(s) for s in shown)
         if whole_chars:
             assert not any(s.endswith("\ufffd") for s in shown) and "😀" in final
+
+
+# --------------------------------------------------------------------------- without transformers
+
+def _as_transformers(tok: Tokenizer) -> Tokenizer:
+    """The same vocabulary through transformers' object (what every start used before)."""
+    return Tokenizer(tok.hf, tok.source, None)
+
+
+def _spm_observed(tok: Tokenizer, texts: list[str]) -> tuple:
+    ids = [tok.encode(t) for t in texts]
+    return (tok.fingerprint, tok.vocab_size, tok.eos_token_ids, tok.skipped_token_ids, ids,
+            [tok.encode(t, add_special_tokens=False) for t in texts],
+            [tok.decode(i, skip_special_tokens=s) for i in ids for s in (True, False)],
+            [tok.decode(i[1:], continuation=True) for i in ids], [tok.convert_ids_to_tokens(i) for i in ids],
+            tok.add_specials([5, 6]), tok.max_token_bytes, tok.byte_level)
+
+
+def test_a_vocabulary_is_read_without_transformers_and_behaves_as_transformers_object(tiny, tmp_path):
+    """Where transformers' class would leave the built backend as it is (a post-processor, every
+    named special token an added one), the tokenizer is ``tokenizer_snapshot``'s object over it:
+    the same ids, text, pieces, stop tokens and fingerprint as transformers' object, which a
+    library still gets (``hf``); where it would change it (no BOS or EOS to add: it writes a
+    post-processor), transformers' object, as before."""
+    style, sp, path, tok = tiny
+    assert isinstance(tok._tok, tokenizer_snapshot.SnapshotTokenizer)
+    ref = _as_transformers(tok)
+    assert type(tok.hf).__name__ == "SpmGgufTokenizer" and not tokenizer_snapshot.differences(tok.hf, tok._tok)
+    texts = HOSTILE + _random_texts(20, seed=3)
+    assert _spm_observed(tok, texts) == _spm_observed(ref, texts)
+    no_bos = Tokenizer.load(_write_gguf(tmp_path / "nobos.gguf", sp, STYLES[style][1], add_bos=False,
+                                        add_space_prefix=False if style == "gemma" else None))
+    assert not isinstance(no_bos._tok, tokenizer_snapshot.SnapshotTokenizer)
+
+
+def test_gemma3_is_read_without_transformers_and_behaves_as_transformers_object(gemma):
+    path, tok, _ = gemma
+    assert isinstance(tok._tok, tokenizer_snapshot.SnapshotTokenizer)
+    code = (f"import sys; from hotprefix.text.tokenizer import Tokenizer; t = Tokenizer.load({path!r}); "
+            "t.decode(t.encode('Hello <start_of_turn>user')); print('transformers' in sys.modules, t.fingerprint)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", tok.fingerprint]
+    assert not tokenizer_snapshot.differences(tok.hf, tok._tok)
+    texts = GEMMA_TEXTS[:40]
+    assert _spm_observed(tok, texts) == _spm_observed(_as_transformers(tok), texts)

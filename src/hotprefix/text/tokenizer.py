@@ -129,8 +129,28 @@ def _spm_class() -> type:
 
 
 def _spm_tokenizer(vocab: spm_vocab.SpmVocab) -> Any:
+    """The vocabulary's tokenizer, without importing transformers where its class would leave the
+    backend as built (every named special token an added token, and a post-processor: then it
+    only reads it); transformers' object, over the same backend, when a library asks for it."""
     digest = vocab.digest()
-    return _spm_class()(spm_vocab.build(vocab, _spm_merges(vocab, digest)), vocab, digest)
+    backend = spm_vocab.build(vocab, _spm_merges(vocab, digest))
+    make = lambda: _spm_class()(backend, vocab, digest)  # noqa: E731
+    ids = {name: i for name, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
+                                   ("unk_token", vocab.unk_id), ("pad_token", vocab.pad_id))
+           if i is not None}
+    named = {name: vocab.tokens[i] for name, i in ids.items()}
+    added = {str(t) for t in backend.get_added_tokens_decoder().values()}
+    if backend.post_processor is None or not set(named.values()) <= added:
+        return make()
+    snap = {"format": tokenizer_snapshot.FORMAT, "special_tokens_map": named,
+            "all_special_tokens": list(dict.fromkeys(named.values())),
+            "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos,
+            "chat_template": vocab.chat_template or None, "ids": ids,
+            "hotprefix": {  # as the class sets them
+                "vocab_digest": digest, "strips_space_prefix": vocab.add_space_prefix,
+                "control_ids": frozenset(np.nonzero(vocab.types == spm_vocab.CONTROL)[0].tolist()),
+                "max_token_bytes": vocab.max_text_bytes()}}
+    return tokenizer_snapshot.SnapshotTokenizer(snap, make, backend)
 
 
 def _gguf_tokenizer(path: str) -> Any:

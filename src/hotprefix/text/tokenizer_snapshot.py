@@ -58,9 +58,13 @@ class SnapshotTokenizer:
     """transformers' tokenizer interface, as far as ``Tokenizer`` and its callers use it, over a
     snapshot (``take``)."""
 
-    def __init__(self, snap: dict[str, Any], load_transformers: Callable[[], Any] | None = None):
+    def __init__(self, snap: dict[str, Any], load_transformers: Callable[[], Any] | None = None,
+                 backend: Any = None):
         """Args:
             load_transformers: builds transformers' own object for this tokenizer (``transformers``).
+            backend: the ``tokenizers`` object itself, instead of the snapshot's JSON (a
+                SentencePiece vocabulary ``spm_vocab`` built); ``snap["hotprefix"]``'s entries
+                then become ``hotprefix_*`` attributes, as ``tokenizer``'s SentencePiece class has.
         Raises:
             KeyError, TypeError, ValueError, Exception: a malformed snapshot (the backend's own
                 errors for a bad JSON).
@@ -69,7 +73,9 @@ class SnapshotTokenizer:
 
         if snap["format"] != FORMAT:
             raise ValueError(f"snapshot format {snap['format']!r}, expected {FORMAT}")
-        self.backend_tokenizer = Backend.from_str(snap["backend"])
+        self.backend_tokenizer = backend if backend is not None else Backend.from_str(snap["backend"])
+        for name, value in snap.get("hotprefix", {}).items():
+            setattr(self, "hotprefix_" + name, value)
         self.backend_tokenizer.encode_special_tokens = False
         self.special_tokens_map: dict[str, str] = {k: str(v) for k, v in snap["special_tokens_map"].items()}
         self.all_special_tokens: list[str] = [str(t) for t in snap["all_special_tokens"]]
