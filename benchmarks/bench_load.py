@@ -152,6 +152,10 @@ def main() -> int:
     if server is None and os.path.exists(PEER_SCRIPT):
         bin_dir = subprocess.run(["bash", PEER_SCRIPT, "bin"], capture_output=True, text=True).stdout.strip()
         server = os.path.join(bin_dir, "llama-server") if bin_dir else None
+    # our modules' bytecode, as `make serve` compiles it (an installed package has it; an editable
+    # install where PYTHONDONTWRITEBYTECODE is set would compile every module at every start)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "src")],
+                   stdout=subprocess.DEVNULL, check=False)
     with open(args.model, "rb") as f:  # warm the page cache for both
         while f.read(1 << 24):
             pass
