@@ -3,7 +3,10 @@
 Loads the tokenizer that belongs to the model (GGUF metadata, or tokenizer.json in a Hugging Face
 directory) through ``transformers``/``tokenizers``. A GGUF's SentencePiece vocabulary (Llama 2,
 Mistral, Gemma) is built by ``hotprefix.text.spm_vocab`` into the ``tokenizers`` library's BPE model,
-giving llama.cpp's ids; other GGUF vocabularies through transformers' GGUF support. The fingerprint
+giving llama.cpp's ids; other GGUF vocabularies through transformers' GGUF support, built once and
+read back after from a snapshot of transformers' object. Neither imports transformers at a start
+(``tokenizer_snapshot``; templates render through ``chat_template``); a library that needs
+transformers' own object (llguidance) gets it on first use (``Tokenizer.hf``). The fingerprint
 covers everything that decides which token ids a text becomes: vocabulary, merges (for a
 SentencePiece vocabulary: its pieces, scores, token types, byte fallback and flags), normalizer and
 pre-tokenizer, added/special tokens, BOS/EOS handling and the chat template. It is part of the
