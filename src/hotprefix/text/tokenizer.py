@@ -182,9 +182,8 @@ def _transformers_gguf_tokenizer(path: str, snapshot: bool = True) -> Any:
     st = os.stat(path)
     ident = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{metadata.version('transformers')}"
     saved = cache_dir("tokenizers") / hashlib.sha256(ident.encode()).hexdigest()[:16]
-    if saved.is_dir() and snapshot:  # transformers' object, when asked for, as a start without
-        # the snapshot would have it (the save, or the file where the save is damaged)
-        light = tokenizer_snapshot.load(saved, functools.partial(_transformers_gguf_tokenizer, path, False))
+    if saved.is_dir() and snapshot:
+        light = tokenizer_snapshot.load(saved, functools.partial(_saved_or_rebuilt, saved, path))
         if light is not None:
             return light
     if saved.is_dir():
@@ -212,6 +211,17 @@ def _transformers_gguf_tokenizer(path: str, snapshot: bool = True) -> Any:
         if snapshot:
             tokenizer_snapshot.keep(tok, saved)
     return tok
+
+
+def _saved_or_rebuilt(saved: Path, path: str) -> Any:
+    """transformers' object for a snapshot read from ``saved``, when a library asks for it: that
+    save (the same file as the snapshot, even if ``path`` changed since), or, where it is damaged,
+    built from ``path`` again as a start without the snapshot would."""
+    try:
+        return _load_saved(saved)
+    except Exception as e:
+        log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
+        return _transformers_gguf_tokenizer(path, snapshot=False)
 
 
 def _load_saved(saved: Path) -> Any:
