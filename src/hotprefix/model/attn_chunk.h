@@ -244,9 +244,8 @@ static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, in
                        int portable) {
 #ifdef HP_AVX512
     if (!portable && hd % CH == 0) {
-        const int copy_v = !VECTOR_UPDATE(hd, portable);
         for (int64_t db = 0; db < hd; db += CH) {
-            for (int64_t k = 0; copy_v && k < CH; k++)
+            for (int64_t k = 0; k < CH; k++)
                 _mm512_storeu_ps(vch + k * hd + db,
                                  k < nk ? value16(vc, kv, kb[k] + db, vs[k]) : _mm512_setzero_ps());
             __m512 r[CH];
@@ -508,6 +507,13 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             l[j] = l[j] * alpha[i] + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
             m[j] = mn[i];
         }
+        /* V from vch where load_chunk widened it once for the chunk (nq > QB / 2: every group
+         * of PV_VECS vectors reads it), else (a decode's few vectors) from the pool */
+        int64_t vrow[CH];
+        for (int k = 0; k < CH; k++) vrow[k] = k * hd;
+        const void *vsrc = nq > QB / 2 ? vch : vc;
+        const int64_t *vr = nq > QB / 2 ? vrow : kb;
+        const int vkv = nq > QB / 2 ? KV_FP32 : kv;
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
             int kmin, kf;
@@ -515,10 +521,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             pv_group(live + i0, nf + i0, nv + i0, nvec, acc + j0 * hd, hd, o, &kf, &kmin);
             const int *f = nf + i0, *e = nv + i0;
             switch (nvec) { /* a constant count each: the accumulators stay in registers */
-            case 1: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
-            case 2: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 2); break;
-            case 3: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 3); break;
-            default: pv_avx(vc, kv, kb, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 4); break;
+            case 1: pv_avx(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 1); break;
+            case 2: pv_avx(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 2); break;
+            case 3: pv_avx(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 3); break;
+            default: pv_avx(vsrc, vkv, vr, vs, hd, p + i0, alpha + i0, f, e, kf, kmin, o, 4); break;
             }
         }
         return;
