@@ -13,7 +13,7 @@
 #define CH 16        /* keys per chunk */
 #define QB 8         /* query vectors scored together: independent FMA chains */
 #define PV_VECS 4    /* query vectors sharing each value row's loads (4 x 4 accumulators) */
-/* whether chunk_update's vector path runs (it reads a decode's K and V itself; AVX-512: all V) */
+/* whether chunk_update's vector path runs (it reads a decode's K and V from the pool itself) */
 #if defined(HP_AVX512) || defined(HP_AVX2)
 #define VECTOR_UPDATE(hd, portable) (!(portable) && (hd) % 64 == 0)
 #else
@@ -237,8 +237,9 @@ static inline __attribute__((always_inline)) __m256 key_dim8(const __m256i *u, i
 
 /* The chunk's K transposed to kt[hd][CH] and V as vch[CH][hd], fp32 (ks, vs: the keys' int8
  * scales); keys nk..CH zeroed (past
- * every row's keys: masked, zeros keep the score chains finite). Where chunk_update's AVX-512
- * path runs (hd a multiple of 64) it reads V from the pool itself, and vch is left unwritten. */
+ * every row's keys: masked, zeros keep the score chains finite). attn.c calls it where the vector
+ * path has many vectors (a prefill, a warm tail: they all read vch) or does not run; a decode's
+ * few vectors read K and V from the pool themselves. */
 static void load_chunk(float *kt, float *vch, const void *kc, const void *vc, int kv, int64_t hd,
                        const int64_t *kb, const float *ks, const float *vs, int64_t nk,
                        int portable) {
