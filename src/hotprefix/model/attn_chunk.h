@@ -459,6 +459,21 @@ static inline void pv_group(const int *live, const int *nf, const int *nv, int n
 /* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows read keys rlo..rpos of
  * their row (j / g): scores, online softmax state (m, l) and accumulators acc[j][hd] updated;
  * vectors >= nq, and those with no key in the chunk, untouched. */
+/* Where the weighted sums read V: vch, fp32 rows k * hd (in vrow), where load_chunk widened it
+ * once for the chunk (nq > QB / 2: every group of PV_VECS vectors reads it); else (a decode's few
+ * vectors) the pool's rows kb in its kind kv. Returns the rows; *src and *kind the source. */
+static inline const int64_t *value_rows(int64_t nq, int64_t hd, const float *vch, const void *vc,
+                                        int kv, const int64_t *kb, int64_t *vrow,
+                                        const void **src, int *kind) {
+    if (nq <= QB / 2) {
+        *src = vc, *kind = kv;
+        return kb;
+    }
+    for (int k = 0; k < CH; k++) vrow[k] = k * hd;
+    *src = vch, *kind = KV_FP32;
+    return vrow;
+}
+
 static void chunk_update(const float *qs, const float *kt, const float *vch, const void *kc,
                          const void *vc, int kv, const int64_t *kb, const float *ks,
                          const float *vs, int64_t nk, int64_t hd,
@@ -508,13 +523,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             l[j] = l[j] * alpha[i] + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
             m[j] = mn[i];
         }
-        /* V from vch where load_chunk widened it once for the chunk (nq > QB / 2: every group
-         * of PV_VECS vectors reads it), else (a decode's few vectors) from the pool */
         int64_t vrow[CH];
-        for (int k = 0; k < CH; k++) vrow[k] = k * hd;
-        const void *vsrc = nq > QB / 2 ? vch : vc;
-        const int64_t *vr = nq > QB / 2 ? vrow : kb;
-        const int vkv = nq > QB / 2 ? KV_FP32 : kv;
+        int vkv;
+        const void *vsrc;
+        const int64_t *vr = value_rows(nq, hd, vch, vc, kv, kb, vrow, &vsrc, &vkv);
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
             int kmin, kf;
@@ -580,12 +592,10 @@ static void chunk_update(const float *qs, const float *kt, const float *vch, con
             l[j] = l[j] * alpha[i] + (_mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1)));
             m[j] = mn[i];
         }
-        /* V from vch where load_chunk widened it (nq > QB / 2), else from the pool */
         int64_t vrow[CH];
-        for (int k = 0; k < CH; k++) vrow[k] = k * hd;
-        const void *vsrc = nq > QB / 2 ? vch : vc;
-        const int64_t *vr = nq > QB / 2 ? vrow : kb;
-        const int vkv = nq > QB / 2 ? KV_FP32 : kv;
+        int vkv;
+        const void *vsrc;
+        const int64_t *vr = value_rows(nq, hd, vch, vc, kv, kb, vrow, &vsrc, &vkv);
         for (int i0 = 0; i0 < nlive; i0 += PV_VECS) {
             const int nvec = nlive - i0 < PV_VECS ? nlive - i0 : PV_VECS;
             int kmin, kf;

@@ -128,29 +128,16 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _as_dicts(value: Any) -> Any:
-    """Message objects (dataclasses, pydantic models) as dicts, recursively."""
-    if isinstance(value, Mapping):
-        return {k: _as_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_as_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_as_dicts(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _as_dicts(value.model_dump())
-    return value
-
-
 def _messages(conversation: Any) -> list[dict]:
-    """Each message a plain dict without its ``None`` fields, its reasoning under every name."""
+    """Each message a plain dict without its ``None`` fields, its reasoning under every name
+    (transformers turns message objects into dicts, drops ``None`` fields, then makes the data
+    plain: plain data first gives the same dicts, ``None`` staying ``None``)."""
     out = []
-    for message in _as_dicts(conversation):
+    for message in _plain(conversation):
         if not isinstance(message, dict):
             raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got "
                             f"{message!r}.")
-        message = _plain({k: v for k, v in message.items() if v is not None})
+        message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

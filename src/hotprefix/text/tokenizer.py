@@ -100,6 +100,24 @@ def _spm_merges(vocab: spm_vocab.SpmVocab, digest: str) -> list[tuple[str, str]]
     return merges
 
 
+def _spm_ids(vocab: spm_vocab.SpmVocab) -> dict[str, int]:
+    """The vocabulary's named special tokens' ids (transformers' names), those it has."""
+    return {name: i for name, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
+                                    ("unk_token", vocab.unk_id), ("pad_token", vocab.pad_id))
+            if i is not None}
+
+
+def _spm_extras(vocab: spm_vocab.SpmVocab, digest: str) -> dict[str, Any]:
+    """What a SentencePiece tokenizer object carries for ``Tokenizer``, as ``hotprefix_*``
+    attributes: ``vocab_digest`` (fingerprinted instead of the 30 MB tokenizer JSON, which it
+    decides), ``strips_space_prefix`` (``decode`` removes the space ``add_space_prefix`` put before
+    the text), ``control_ids`` (only these may end a turn: Gemma's ``</s>`` is an HTML tag, not an
+    EOS), ``max_token_bytes``."""
+    return {"vocab_digest": digest, "strips_space_prefix": vocab.add_space_prefix,
+            "control_ids": frozenset(np.nonzero(vocab.types == spm_vocab.CONTROL)[0].tolist()),
+            "max_token_bytes": vocab.max_text_bytes()}
+
+
 @functools.cache
 def _spm_class() -> type:
     _quiet_hf()
@@ -112,21 +130,13 @@ def _spm_class() -> type:
 
         def __init__(self, backend: Any, vocab: spm_vocab.SpmVocab, digest: str):
             self._tokenizer = backend
-            name = lambda i: vocab.tokens[i] if i is not None else None  # noqa: E731
-            super().__init__(bos_token=name(vocab.bos_id), eos_token=name(vocab.eos_id),
-                             unk_token=name(vocab.unk_id), pad_token=name(vocab.pad_id),
+            super().__init__(**{name: vocab.tokens[i] for name, i in _spm_ids(vocab).items()},
                              clean_up_tokenization_spaces=False)
             self._add_bos_token, self._add_eos_token = vocab.add_bos, vocab.add_eos
             if vocab.chat_template:
                 self.chat_template = vocab.chat_template
-            self.hotprefix_vocab_digest = digest
-            """Fingerprinted instead of the 30 MB tokenizer JSON (it decides all of it)."""
-            self.hotprefix_strips_space_prefix = vocab.add_space_prefix
-            """``Tokenizer.decode`` removes the space ``add_space_prefix`` put before the text."""
-            self.hotprefix_control_ids = frozenset(
-                np.nonzero(vocab.types == spm_vocab.CONTROL)[0].tolist())
-            """Only these may end a turn (Gemma's ``</s>`` is an HTML tag, not an EOS)."""
-            self.hotprefix_max_token_bytes = vocab.max_text_bytes()
+            for name, value in _spm_extras(vocab, digest).items():
+                setattr(self, "hotprefix_" + name, value)
 
     return SpmGgufTokenizer
 
@@ -138,9 +148,7 @@ def _spm_tokenizer(vocab: spm_vocab.SpmVocab) -> Any:
     digest = vocab.digest()
     backend = spm_vocab.build(vocab, _spm_merges(vocab, digest))
     make = lambda: _spm_class()(backend, vocab, digest)  # noqa: E731
-    ids = {name: i for name, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
-                                   ("unk_token", vocab.unk_id), ("pad_token", vocab.pad_id))
-           if i is not None}
+    ids = _spm_ids(vocab)
     named = {name: vocab.tokens[i] for name, i in ids.items()}
     added = {str(t) for t in backend.get_added_tokens_decoder().values()}
     if backend.post_processor is None or not set(named.values()) <= added:
@@ -149,10 +157,7 @@ def _spm_tokenizer(vocab: spm_vocab.SpmVocab) -> Any:
             "all_special_tokens": list(dict.fromkeys(named.values())),
             "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos,
             "chat_template": vocab.chat_template or None, "ids": ids,
-            "hotprefix": {  # as the class sets them
-                "vocab_digest": digest, "strips_space_prefix": vocab.add_space_prefix,
-                "control_ids": frozenset(np.nonzero(vocab.types == spm_vocab.CONTROL)[0].tolist()),
-                "max_token_bytes": vocab.max_text_bytes()}}
+            "hotprefix": _spm_extras(vocab, digest)}
     return tokenizer_snapshot.SnapshotTokenizer(snap, make, backend)
 
 
