@@ -128,23 +128,24 @@ def test_default_mode_greedy_cold_warm_batched(real_llm):
 
 
 @pytest.mark.model
-def test_mixed_mode_greedy_cold_warm_and_without_fp16_weights(real_llm, monkeypatch):
+def test_mixed_mode_greedy_cold_warm_and_without_fp16_weights(real_layers_dir, monkeypatch):
     """``mixed`` (the default where the gguf kernel does not run fast): cold == warm. Where torch
     lacks the fp16-weight GEMM it holds those weights in fp32: other bits, another namespace, and
-    cold == warm still."""
+    cold == warm still. On the real model's first 2 layers (torch's GEMMs at the real shapes, a
+    fifteenth of the work)."""
     import hotprefix.model.linear as linear
 
-    mixed = LLM(kv_cache_memory="64MiB", num_threads=2, weights="mixed")
+    mixed = LLM(model=real_layers_dir, kv_cache_memory="64MiB", num_threads=2, weights="mixed")
     model = mixed.engine.runner.model
     if model.dtype == torch.float32:
         pytest.skip("no native bf16 here: mixed is dense fp32")
     assert model.weight_mode == "mixed" and "mixed-w16" in model.numerics
     _greedy_cold_warm(mixed, QUESTIONS[:2], turns=1, system=SHORT_SYSTEM)
     monkeypatch.setattr(linear, "fp16_weights_available", lambda: False)
-    llm = LLM(kv_cache_memory="64MiB", num_threads=2, weights="mixed")
+    llm = LLM(model=real_layers_dir, kv_cache_memory="64MiB", num_threads=2, weights="mixed")
     model = llm.engine.runner.model
     assert model.weight_mode == "mixed" and "mixed-w32" in model.numerics
-    assert llm.engine.namespace not in (mixed.engine.namespace, real_llm.engine.namespace)
+    assert llm.engine.namespace != mixed.engine.namespace
     assert not any(isinstance(w, linear.Fp16Weight) for w in model.layers[0].values())
     _greedy_cold_warm(llm, QUESTIONS[:1], turns=1, system=SHORT_SYSTEM)
 
@@ -185,13 +186,14 @@ def test_torch_attention_with_fused_kernels_cold_equals_warm(real_llm, monkeypat
 def test_other_weight_modes_greedy_cold_warm_batched(weights, request):
     """Each weight mode: greedy tokens warm == batched == cold. int8 and int4 run torch's kernels
     (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; minutes a prompt set on an AVX2
-    CPU) on the real model's first 2 layers: the same shapes and kernels, a fifteenth the work.
+    CPU), and dense runs torch's fp32/bf16 GEMMs: on the real model's first 2 layers, the same
+    shapes and kernels, a fifteenth the work.
     The mode the default already runs (gguf on AVX2) is the default-mode test's, not built twice."""
     if weights == "gguf":
         default = request.getfixturevalue("real_llm").engine.runner.model
         if default.weight_mode == "gguf":
             pytest.skip("gguf is this CPU's default mode: test_default_mode_greedy_cold_warm_batched")
-    model_path = request.getfixturevalue("real_layers_dir") if weights in ("int8", "int4") else None
+    model_path = request.getfixturevalue("real_layers_dir") if weights != "gguf" else None
     llm = LLM(model=model_path, kv_cache_memory="64MiB", num_threads=2, weights=weights)
     model = llm.engine.runner.model
     assert model.weight_mode == weights

@@ -368,20 +368,15 @@ def test_a_tier_entry_of_another_kv_dtype_is_never_loaded(tiny_model_dir, tmp_pa
     assert o2.num_cached_tokens == 64 and o2.token_ids == first.token_ids
 
 
-def test_simulator_sizing_takes_the_kv_dtype(tmp_path, capsys, monkeypatch):
+def test_simulator_sizing_takes_the_kv_dtype(tmp_path, capsys):
     """``hotprefix simulate --sweep``'s advice in bytes follows ``--kv-cache-dtype`` (the default
     model's metadata: 23,040 bytes a token in bf16, 12,240 in int8)."""
-    import functools
     import json
 
     from hotprefix import simulate as sim
-    from hotprefix.model import metadata
     from hotprefix.model.metadata import kv_bytes_per_token
     from test_simulate import _write_mooncake
 
-    # the GGUF's metadata is parsed once (gguf's reader walks its 49k-token vocabulary: seconds
-    # of CPU a read); the KV dtype's bytes are applied to that shape on every call, as before
-    monkeypatch.setattr(metadata, "read_kv_shape", functools.cache(metadata.read_kv_shape))
     # the default model is a dependency (make setup installs it): missing, it is a failure
     assert kv_bytes_per_token(None, "int8") == 12240
     p = tmp_path / "mc.jsonl"

@@ -60,7 +60,7 @@ def test_logits_match_transformers(real_llm_fp32, hf_model):
 
 
 def test_greedy_32_tokens_match_transformers(real_llm_fp32, hf_model):
-    for msgs in PROMPTS[:3]:
+    for msgs in PROMPTS[:2]:
         ids = real_llm_fp32.tokenizer.encode_chat(msgs)
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,

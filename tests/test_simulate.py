@@ -539,6 +539,37 @@ def test_default_model_bytes_per_token():
     assert sim.model_bytes_per_token(None, 4) == 46080
 
 
+@pytest.mark.parametrize("kv_heads,key_length", [(2, 48), (None, None)])
+def test_kv_shape_from_a_gguf_header(tmp_path, kv_heads, key_length):
+    """The KV shape from a GGUF's header as gguf's writer lays it out (head count, KV heads and
+    key length where written, else the attention heads and embedding / heads); a damaged or
+    truncated file is a ModelLoadError, never another exception."""
+    import gguf
+
+    from hotprefix.model.metadata import KVShape, ModelLoadError, read_kv_shape
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(5)
+    w.add_embedding_length(256)
+    w.add_head_count(8)
+    if kv_heads is not None:
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(key_length)
+    w.add_token_list([f"t{i}" for i in range(300)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = KVShape(5, kv_heads or 8, key_length or 32)
+    assert read_kv_shape(str(path)) == want
+    whole = path.read_bytes()
+    for broken in (whole[:40], whole[:len(whole) // 2], b"GGUF\xff\xff\xff\xff" + whole[8:], b"nope"):
+        path.write_bytes(broken)
+        with pytest.raises(ModelLoadError, match="cannot read the KV shape"):
+            read_kv_shape(str(path))
+
+
 def test_simulator_and_its_sizing_import_no_torch():
     import subprocess
     import sys
