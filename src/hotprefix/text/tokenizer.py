@@ -39,6 +39,7 @@ from hotprefix.text import spm_vocab, tokenizer_snapshot
 from hotprefix.text.prefix_tokens import PrefixTokens, splits_at_specials
 from hotprefix.files.atomic import atomic_path
 from hotprefix.files.cachedir import cache_dir
+from hotprefix.files.gguf_reads import fast_gguf_reads
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,9 @@ def _transformers_gguf_tokenizer(path: str, snapshot: bool = True) -> Any:
     _quiet_hf()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                        gguf_file=os.path.basename(path))
+    with fast_gguf_reads():  # gguf's reader over a plain array: 2.8 -> 0.8 s for a 49k vocabulary
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(saved, directory=True, replace=False) as tmp:  # whole or not at all

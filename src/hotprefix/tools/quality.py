@@ -14,9 +14,7 @@ the scheduler or the prefix cache: the windows never touch the engine's pool.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from hotprefix.config.sections import ConfigError, ModelConfig
+from hotprefix.files.gguf_reads import fast_gguf_reads
 
 DEFAULT_WINDOW = 512
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -178,36 +177,13 @@ def load_reference(model_path: str):
     if os.path.isdir(model_path):
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     else:
-        with _gguf_reads_once():
+        with fast_gguf_reads():  # gguf's reader once and over a plain array: 22.8 -> 12.5 s
             model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path) or ".",
                                                          gguf_file=os.path.basename(model_path),
                                                          torch_dtype=torch.float32)
     model.eval()
     return model
 
-
-@contextlib.contextmanager
-def _gguf_reads_once():
-    """While transformers loads a GGUF: gguf's reader built once a file and each tensor-name map
-    once. transformers reads the whole header twice (config, then weights) and builds the name
-    map once for each of the model's modules: 25 of the 135M model's 40 s of CPU. The same
-    (read-only) objects, so the same model; transformers imports both from ``gguf`` at call time."""
-    import gguf
-
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real_reader(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def reference_logits(model, ids: Sequence[int]) -> torch.Tensor:
