@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -74,10 +76,10 @@ def get(url: str, body: dict | None = None, timeout: float = 2.0) -> int:
         return 0
 
 
-def measure(cmd: list[str], port: int, deadline_s: float) -> dict:
+def measure(cmd: list[str], port: int, deadline_s: float, env: dict | None = None) -> dict:
     """One start of a server: seconds to /health 200 and to a first completion, peak RSS at each."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         while get(base + "/health", timeout=0.5) != 200:
@@ -139,8 +141,13 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=600.0)
     p.add_argument("--also-packing", action="store_true",
                    help="also time hotprefix with --no-packed-cache (packing every start)")
+    p.add_argument("--first-starts", action="store_true",
+                   help="also time hotprefix's first starts: on a new machine (an empty cache directory: "
+                        "the kernels compiled, the tokenizer built, the weights packed) and of a new model "
+                        "(the kernels already compiled)")
     args = p.parse_args()
 
+    from hotprefix.files.cachedir import cache_dir
     from hotprefix.model.metadata import read_kv_shape
     from hotprefix.text.spm_vocab import read_metadata
 
@@ -171,11 +178,22 @@ def main() -> int:
         log("llama-server not found: only hotprefix is measured")
     first = keep_packed(args.model, args.threads)
     log(f"hotprefix's first start with this code (packs, then keeps the packed weights): {first:.1f} s")
+    starts = {}  # name -> the cache directory's contents to start from (folder names), or None
+    if args.first_starts:
+        starts = {"hotprefix, first start on a new machine": (),
+                  "hotprefix, first start of a new model": ("kernels", "probes")}
+        cmds = {**{name: cmds["hotprefix"] for name in starts}, **cmds}
     runs: dict[str, list[dict]] = {name: [] for name in cmds}
     for i in range(args.runs):
         for name, cmd in cmds.items():
             port = free_port()
-            r = measure(cmd(port), port, args.deadline)
+            with tempfile.TemporaryDirectory(prefix="hotprefix-first-start-") as fresh:
+                env = None
+                if name in starts:
+                    for sub in starts[name]:
+                        shutil.copytree(cache_dir(sub), os.path.join(fresh, sub))
+                    env = {**os.environ, "HOTPREFIX_CACHE_DIR": fresh}
+                r = measure(cmd(port), port, args.deadline, env)
             runs[name].append(r)
             log(f"run {i + 1} {name}: ready {r['ready_s']:.2f} s ({r['cpu_to_ready_s']:.1f} CPU s), first completion "
                 f"{r['first_completion_s']:.2f} s, peak RSS {r['peak_rss_ready_mib']:.0f} / "
@@ -194,6 +212,8 @@ def main() -> int:
         ours, theirs = summary["hotprefix"], summary["llama-server"]
         print(f"ratios hotprefix / llama-server: ready {ours['ready_s'] / theirs['ready_s']:.2f}x, "
               f"peak RSS {ours['peak_rss_first_mib'] / theirs['peak_rss_first_mib']:.2f}x")
+        for name in starts:
+            print(f"{name} / llama-server: ready {summary[name]['ready_s'] / theirs['ready_s']:.2f}x")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        f"load_{os.path.basename(os.path.dirname(os.path.abspath(args.model)))}_"
                        f"{os.path.splitext(os.path.basename(args.model))[0]}.json")

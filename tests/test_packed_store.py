@@ -271,6 +271,30 @@ def test_prune_keeps_the_most_recently_used(tmp_path):
     assert left == sorted([new_tmp.name, files[0].name, files[1].name, newest.name])
 
 
+def test_a_kept_store_leaves_the_page_cache_once_on_disk(tmp_path, store_dir, monkeypatch):
+    """The store's written pages are dropped after they reach the disk (fsync, then
+    ``POSIX_FADV_DONTNEED`` over the whole file), so the next start reads it back in large folios
+    it can map 2 MiB at a time rather than copy it; the file is whole and maps as before."""
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here: the pages stay, as before")
+    calls = []
+    real_fsync, real_fadvise = os.fsync, os.posix_fadvise
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", fd)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (
+        calls.append(("fadvise", off, n, advice, os.fstat(fd).st_size)), real_fadvise(fd, off, n, advice))[1])
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, KINDS)
+    first, kept = start(path)
+    (store,) = store_dir.glob("*.bin")
+    advised = [c for c in calls if c[0] == "fadvise"]
+    assert advised == [("fadvise", 0, 0, os.POSIX_FADV_DONTNEED, store.stat().st_size)]
+    assert calls.index(advised[0]) > 0 and calls[calls.index(advised[0]) - 1][0] == "fsync"
+    with monkeypatch.context() as m:
+        no_packing(m)
+        second, kept2 = start(path)
+    assert kept2.path == store and torch.equal(logits(first), logits(second))
+
+
 def test_a_small_file_is_not_counted_as_huge_mapped(tmp_path):
     f = tmp_path / "small.bin"
     f.write_bytes(b"x" * (1 << 20))  # under one 2 MiB page
