@@ -295,6 +295,21 @@ def test_a_kept_store_leaves_the_page_cache_once_on_disk(tmp_path, store_dir, mo
     assert kept2.path == store and torch.equal(logits(first), logits(second))
 
 
+def test_a_file_system_refusing_the_advice_still_keeps_the_store(tmp_path, store_dir, monkeypatch):
+    def refuse(fd, off, n, advice):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, KINDS)
+    first, _ = start(path)
+    (store,) = store_dir.glob("*.bin")
+    with monkeypatch.context() as m:
+        no_packing(m)
+        second, kept2 = start(path)
+    assert kept2.path == store and torch.equal(logits(first), logits(second))
+
+
 def test_a_small_file_is_not_counted_as_huge_mapped(tmp_path):
     f = tmp_path / "small.bin"
     f.write_bytes(b"x" * (1 << 20))  # under one 2 MiB page

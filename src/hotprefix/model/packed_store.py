@@ -255,7 +255,10 @@ def _leave_page_cache(f) -> None:
         return
     f.flush()
     os.fsync(f.fileno())
-    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:  # advice only: a file system that refuses it keeps the store all the same
+        log.debug("page cache advice refused for %s (%s)", f.name, e)
 
 
 def huge_mapped(mm: mmap.mmap) -> bool:
