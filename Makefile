@@ -24,11 +24,15 @@ $(STAMP): pyproject.toml
 
 # the package's compiled bytecode (an editable install has none until an import writes it, and none is
 # written where PYTHONDONTWRITEBYTECODE is set: then every start compiled our ~170 modules, 0.3-1 s of
-# it); up-to-date files are skipped (0.05 s). Then the C kernels for this CPU's level, built once
-# into the cache directory (about 8 s on 2 cores, 0.2 s once built): here, not in a first serve
-build: $(STAMP)
-	$(BIN)/python -m compileall -q src > /dev/null
+# it); up-to-date files are skipped (0.05 s). And the C kernels for this CPU's level, built into the
+# cache directory when their sources change (about 8 s on 2 cores): here, not in a first serve
+KERNELS := $(VENV)/.kernels
+$(KERNELS): $(STAMP) $(wildcard src/hotprefix/model/*.c src/hotprefix/model/*.h)
 	$(BIN)/python -c "from hotprefix.model import fused; fused.library()"
+	touch $(KERNELS)
+
+build: $(STAMP) $(KERNELS)
+	$(BIN)/python -m compileall -q src > /dev/null
 
 setup: build
 

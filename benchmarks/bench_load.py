@@ -149,7 +149,7 @@ def main() -> int:
 
     from hotprefix.files.cachedir import cache_dir
     from hotprefix.model.metadata import read_kv_shape
-    from hotprefix.text.spm_vocab import read_metadata
+    from hotprefix.files.gguf_header import read_file_metadata as read_metadata
 
     shape = read_kv_shape(args.model)
     arch = read_metadata(args.model, ("general.architecture",))["general.architecture"]

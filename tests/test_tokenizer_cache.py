@@ -197,14 +197,11 @@ VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer
 
 @functools.cache
 def _default_vocab_fields() -> dict:
-    """The default model's ``tokenizer.ggml.*`` header fields, read once (by our header reader:
-    gguf's builds a record for each of their 150,000 elements first, seconds of CPU)."""
-    import numpy as np
+    """The default model's vocabulary fields, read once (by our header reader: gguf's builds a
+    record for each of their 150,000 elements first, seconds of CPU)."""
+    from hotprefix.files.gguf_header import read_file_metadata
 
-    from hotprefix.files.gguf_header import read_fields
-
-    fields, _, _ = read_fields(memoryview(np.memmap(default_model_path(), dtype=np.uint8, mode="r")))
-    return {k: list(v) for k, v in fields.items() if k in VOCAB_FIELDS}
+    return read_file_metadata(default_model_path(), VOCAB_FIELDS)
 
 
 def _bpe_gguf(path, *, pre: str, add_bos: bool, add_eos: bool, template: str | None) -> str:
@@ -217,7 +214,7 @@ def _bpe_gguf(path, *, pre: str, add_bos: bool, add_eos: bool, template: str | N
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(f["tokenizer.ggml.tokens"])
-    w.add_token_types(f["tokenizer.ggml.token_type"])
+    w.add_token_types(f["tokenizer.ggml.token_type"].tolist())
     w.add_token_merges(f["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)

@@ -11,8 +11,9 @@ This module knows nothing about tensors, architectures or vocabularies: only the
 
 from __future__ import annotations
 
+import mmap
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,3 +104,30 @@ def read_fields(buf: memoryview, numpy_arrays: bool = False) -> tuple[dict[str, 
         vtype, = struct.unpack_from("<I", buf, off)
         fields[key], off = value(vtype, off + 4)
     return fields, off, n_tensors
+
+
+def read_file_metadata(path: str, keys: Collection[str]) -> dict[str, Any]:
+    """The named metadata keys of a GGUF file, read straight from its mapped header: numeric
+    arrays as numpy arrays (copies), string arrays as lists, scalars and strings as they are.
+    Other keys are stepped over without building their values; tensor infos are not read.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: not a GGUF file this reads (empty, truncated, another format or version).
+    """
+    with open(path, "rb") as f:
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # an empty file
+            raise ValueError(f"{path}: unreadable GGUF metadata ({e})") from None
+    with mm:
+        buf, fields = memoryview(mm), None
+        try:
+            fields, _, _ = read_fields(buf, numpy_arrays=True)
+            return {k: v.copy() if isinstance(v, np.ndarray) else list(v) if isinstance(v, LazyStrings)
+                    else v for k, v in fields.items() if k in keys}
+        except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: unreadable GGUF metadata ({e})") from None
+        finally:
+            fields = None  # its arrays are views of the map: gone before it closes
+            buf.release()

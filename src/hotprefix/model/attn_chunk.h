@@ -456,9 +456,6 @@ static inline void pv_group(const int *live, const int *nf, const int *nv, int n
     }
 }
 
-/* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows read keys rlo..rpos of
- * their row (j / g): scores, online softmax state (m, l) and accumulators acc[j][hd] updated;
- * vectors >= nq, and those with no key in the chunk, untouched. */
 /* Where the weighted sums read V: vch, fp32 rows k * hd (in vrow), where load_chunk widened it
  * once for the chunk (nq > QB / 2: every group of PV_VECS vectors reads it); else (a decode's few
  * vectors) the pool's rows kb in its kind kv. Returns the rows; *src and *kind the source. */
@@ -474,6 +471,9 @@ static inline const int64_t *value_rows(int64_t nq, int64_t hd, const float *vch
     return vrow;
 }
 
+/* One chunk for query vectors j0..j0+QB (scaled, qs[j][hd]) whose rows read keys rlo..rpos of
+ * their row (j / g): scores, online softmax state (m, l) and accumulators acc[j][hd] updated;
+ * vectors >= nq, and those with no key in the chunk, untouched. */
 static void chunk_update(const float *qs, const float *kt, const float *vch, const void *kc,
                          const void *vc, int kv, const int64_t *kb, const float *ks,
                          const float *vs, int64_t nk, int64_t hd,

@@ -143,12 +143,12 @@ def _compile(cc: str, flags: list[str], out: str) -> None:
     def run(args: list[str]) -> None:
         subprocess.run([cc, *args], check=True, capture_output=True, text=True, timeout=300)
 
-    compile_flags = [f for f in flags if f != "-shared"]
+    object_flags = [f for f in flags if f != "-shared"]
     with tempfile.TemporaryDirectory(prefix="hotprefix-build-") as d:
         objects = [os.path.join(d, s.stem + ".o") for s in SOURCES]
         order = sorted(range(len(SOURCES)), key=lambda i: -SOURCES[i].stat().st_size)
         with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
-            for f in [pool.submit(run, [*compile_flags, "-c", "-o", objects[i], str(SOURCES[i])])
+            for f in [pool.submit(run, [*object_flags, "-c", "-o", objects[i], str(SOURCES[i])])
                       for i in order]:
                 f.result()
         run([*flags, "-o", out, *objects, "-lm"])

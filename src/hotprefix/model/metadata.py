@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import struct
 from dataclasses import dataclass
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,22 +111,18 @@ def read_kv_shape(path: str) -> KVShape:
             heads = int(c["num_attention_heads"])
             return KVShape(int(c["num_hidden_layers"]), int(c.get("num_key_value_heads", heads)),
                            int(c.get("head_dim") or int(c["hidden_size"]) // heads))
-        import numpy as np
+        from hotprefix.files.gguf_header import read_file_metadata
 
-        from hotprefix.files.gguf_header import read_fields
-
-        # the header straight from the mapped file (gguf's reader builds a record for each of the
-        # vocabulary's elements first: seconds of CPU for a 49k vocabulary, for 4 numbers)
-        fields, _, _ = read_fields(memoryview(np.memmap(path, dtype=np.uint8, mode="r")), numpy_arrays=True)
-
-        def field(key: str, default=None):
-            return fields.get(key, default)
-
-        a = field("general.architecture")
-        heads = int(field(f"{a}.attention.head_count"))
-        return KVShape(int(field(f"{a}.block_count")), int(field(f"{a}.attention.head_count_kv", heads)),
-                       int(field(f"{a}.attention.key_length", int(field(f"{a}.embedding_length")) // heads)))
-    except (OSError, KeyError, TypeError, ValueError, IndexError, struct.error) as e:
+        # our header reader (gguf's builds a record for each of the vocabulary's elements first:
+        # seconds of CPU for a 49k vocabulary, for 4 numbers)
+        a = read_file_metadata(path, ("general.architecture",))["general.architecture"]
+        md = read_file_metadata(path, [f"{a}.{k}" for k in (
+            "block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
+            "attention.key_length")])
+        heads = int(md[f"{a}.attention.head_count"])
+        return KVShape(int(md[f"{a}.block_count"]), int(md.get(f"{a}.attention.head_count_kv", heads)),
+                       int(md.get(f"{a}.attention.key_length") or int(md[f"{a}.embedding_length"]) // heads))
+    except (OSError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"cannot read the KV shape of {path}: {e}") from e
 
 

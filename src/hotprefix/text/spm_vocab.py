@@ -36,13 +36,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import mmap
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hotprefix.files.gguf_header import LazyStrings, read_fields
+from hotprefix.files.gguf_header import read_file_metadata
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 """GGUF token types (``gguf.TokenType``; SentencePiece's ``ModelProto.SentencePiece.Type``)."""
@@ -118,24 +116,15 @@ class SpmVocab:
 # --------------------------------------------------------------------------- reading the file
 
 def read_metadata(path: str, keys: tuple[str, ...] = _KEYS) -> dict:
-    """The named metadata keys of a GGUF file (v2/v3, little-endian), read straight from its
-    header: numeric arrays as numpy arrays, string arrays as lists. Other keys are skipped without
-    building their values, and tensor infos are not read at all.
+    """The named metadata keys of a GGUF file (``files.gguf_header.read_file_metadata``).
 
     Raises:
         VocabError: not a GGUF file this reader understands.
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf, fields = memoryview(mm), None
-        try:
-            fields, _, _ = read_fields(buf, numpy_arrays=True)
-            return {k: v.copy() if isinstance(v, np.ndarray) else list(v) if isinstance(v, LazyStrings)
-                    else v for k, v in fields.items() if k in keys}
-        except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
-            raise VocabError(f"{path}: unreadable GGUF metadata ({e})") from None
-        finally:
-            fields = None  # its arrays are views of the map: gone before it closes
-            buf.release()
+    try:
+        return read_file_metadata(path, keys)
+    except ValueError as e:
+        raise VocabError(str(e)) from None
 
 
 def vocab_from_metadata(md: dict) -> SpmVocab | None:

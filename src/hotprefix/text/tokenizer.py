@@ -192,16 +192,11 @@ def _transformers_gguf_tokenizer(path: str, snapshot: bool = True) -> Any:
         light = tokenizer_snapshot.load(saved, functools.partial(_saved_or_rebuilt, saved, path))
         if light is not None:
             return light
-    if saved.is_dir():
-        try:
-            tok = _load_saved(saved)
-        except Exception as e:  # a damaged entry: rebuilt from the file below
-            log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
-            shutil.rmtree(saved, ignore_errors=True)
-        else:
-            if snapshot:
-                tokenizer_snapshot.keep(tok, saved)
-            return tok
+    tok = _read_save(saved, path) if saved.is_dir() else None
+    if tok is not None:
+        if snapshot:
+            tokenizer_snapshot.keep(tok, saved)
+        return tok
     _quiet_hf()
     from transformers import AutoTokenizer
 
@@ -224,11 +219,19 @@ def _saved_or_rebuilt(saved: Path, path: str) -> Any:
     """transformers' object for a snapshot read from ``saved``, when a library asks for it: that
     save (the same file as the snapshot, even if ``path`` changed since), or, where it is damaged,
     built from ``path`` again as a start without the snapshot would."""
+    tok = _read_save(saved, path)
+    return tok if tok is not None else _transformers_gguf_tokenizer(path, snapshot=False)
+
+
+def _read_save(saved: Path, path: str) -> Any | None:
+    """The tokenizer saved in ``saved``, or None where that save is damaged (logged, and removed:
+    the caller builds it from ``path`` again)."""
     try:
         return _load_saved(saved)
     except Exception as e:
         log.warning("cached tokenizer %s unreadable (%s): reading %s", saved, e, path)
-        return _transformers_gguf_tokenizer(path, snapshot=False)
+        shutil.rmtree(saved, ignore_errors=True)
+        return None
 
 
 def _load_saved(saved: Path) -> Any:
